@@ -1,0 +1,141 @@
+// The PyTorch-facing side: the op schema, input validation, the device guard and the launch on
+// the current stream. The kernels see only GqaParams (gqa_params.h).
+//
+// Only light headers are included (no torch/extension.h, no pybind11): the library registers
+// its ops with TORCH_LIBRARY and Python reaches them through torch.ops.gqa_attn.
+
+#include <ATen/Context.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/GradMode.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "gqa_params.h"
+
+namespace {
+
+#define GQA_CHECK_ARG(cond, ...) TORCH_CHECK_VALUE(cond, "causal_gqa_attention: ", __VA_ARGS__)
+
+int dtype_code(c10::ScalarType t) {
+    switch (t) {
+        case c10::ScalarType::Float: return kGqaFloat32;
+        case c10::ScalarType::Half: return kGqaFloat16;
+        case c10::ScalarType::BFloat16: return kGqaBFloat16;
+        default: return -1;
+    }
+}
+
+// The rules, in the order a user would want to hear about them. Each message names the argument.
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    GQA_CHECK_ARG(q.dim() == 4, "q must be 4-D [B, T, Hq, D], got a ", q.dim(), "-D tensor");
+    GQA_CHECK_ARG(k.dim() == 4, "k must be 4-D [B, T, Hkv, D], got a ", k.dim(), "-D tensor");
+    GQA_CHECK_ARG(v.dim() == 4, "v must be 4-D [B, T, Hkv, D], got a ", v.dim(), "-D tensor");
+    GQA_CHECK_ARG(k.sizes() == v.sizes(), "k and v must have the same shape, got k ", k.sizes(), " and v ",
+                  v.sizes());
+    GQA_CHECK_ARG(k.size(0) == q.size(0), "k must have q's batch size B (dim 0): q has ", q.size(0), ", k has ",
+                  k.size(0));
+    GQA_CHECK_ARG(k.size(1) == q.size(1), "k must have q's sequence length T (dim 1): q has ", q.size(1),
+                  ", k has ", k.size(1));
+    GQA_CHECK_ARG(k.size(3) == q.size(3), "k must have q's head_dim D (dim 3): q has ", q.size(3), ", k has ",
+                  k.size(3));
+    GQA_CHECK_ARG(k.size(2) >= 1, "k must have at least one kv head (dim 2), got ", k.size(2));
+    GQA_CHECK_ARG(q.size(2) % k.size(2) == 0, "q's head count Hq (dim 2, ", q.size(2),
+                  ") must be a multiple of k's head count Hkv (dim 2, ", k.size(2), ")");
+    GQA_CHECK_ARG(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+                  "q, k and v must share one dtype, got q ", q.scalar_type(), ", k ", k.scalar_type(), ", v ",
+                  v.scalar_type());
+    GQA_CHECK_ARG(dtype_code(q.scalar_type()) >= 0, "q has unsupported dtype ", q.scalar_type(),
+                  ": expected float32, float16 or bfloat16");
+    GQA_CHECK_ARG(q.device() == k.device() && q.device() == v.device(),
+                  "q, k and v must be on the same device, got q ", q.device(), ", k ", k.device(), ", v ",
+                  v.device());
+    GQA_CHECK_ARG(q.is_cuda(), "q must be a CUDA tensor for this op, got ", q.device());
+    GQA_CHECK_ARG(q.size(3) >= 1 && q.size(3) <= kGqaMaxHeadDim, "head_dim D (q.shape[3]) must be in 1..",
+                  kGqaMaxHeadDim, ", got ", q.size(3));
+    GQA_CHECK_ARG(q.size(1) <= INT32_MAX / q.size(2) && q.size(0) <= INT32_MAX,
+                  "q is too large: B and T * Hq must each fit in 32 bits");
+}
+
+// A view whose last dim is contiguous is used as it is; anything else is copied once.
+at::Tensor with_unit_last_stride(const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); }
+
+bool rows_16b_aligned(const at::Tensor& t) {
+    const int64_t elem = int64_t(t.element_size());
+    const auto addr = reinterpret_cast<uintptr_t>(t.data_ptr());
+    return addr % 16 == 0 && (t.size(3) * elem) % 16 == 0 && (t.stride(0) * elem) % 16 == 0 &&
+           (t.stride(1) * elem) % 16 == 0 && (t.stride(2) * elem) % 16 == 0;
+}
+
+at::Tensor causal_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in) {
+    check_inputs(q_in, k_in, v_in);
+    const c10::cuda::CUDAGuard device_guard(q_in.device());
+    const at::Tensor q = with_unit_last_stride(q_in);
+    const at::Tensor k = with_unit_last_stride(k_in);
+    const at::Tensor v = with_unit_last_stride(v_in);
+
+    const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = k.size(2);
+    at::Tensor out = at::empty({B, T, Hq, D}, q.options());
+    if (out.numel() == 0) return out;
+
+    GqaParams p{};
+    p.q = q.data_ptr();
+    p.k = k.data_ptr();
+    p.v = v.data_ptr();
+    p.o = out.data_ptr();
+    p.q_stride_b = q.stride(0), p.q_stride_t = q.stride(1), p.q_stride_h = q.stride(2);
+    p.k_stride_b = k.stride(0), p.k_stride_t = k.stride(1), p.k_stride_h = k.stride(2);
+    p.v_stride_b = v.stride(0), p.v_stride_t = v.stride(1), p.v_stride_h = v.stride(2);
+    p.o_stride_b = out.stride(0), p.o_stride_t = out.stride(1), p.o_stride_h = out.stride(2);
+    p.B = int(B), p.T = int(T), p.Hq = int(Hq), p.Hkv = int(Hkv), p.D = int(D);
+    p.group = int(Hq / Hkv);
+    p.scale_log2 = float(1.4426950408889634 / std::sqrt(double(D)));
+    p.dtype = dtype_code(q.scalar_type());
+    p.tf32_single = q.scalar_type() == c10::ScalarType::Float && at::globalContext().allowTF32CuBLAS();
+    p.vec16 = rows_16b_aligned(q) && rows_16b_aligned(k) && rows_16b_aligned(v);
+
+    const int err = gqa_forward(p, c10::cuda::getCurrentCUDAStream().stream());
+    TORCH_CHECK(err == 0, "causal_gqa_attention: kernel launch failed: ",
+                cudaGetErrorString(static_cast<cudaError_t>(err)));
+    return out;
+}
+
+// The floor for benchmarks: the same allocation and one launch of an empty kernel.
+at::Tensor empty_call_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    const c10::cuda::CUDAGuard device_guard(q.device());
+    at::Tensor out = at::empty(q.sizes(), q.options());
+    const int err = gqa_empty_launch(out.data_ptr(), c10::cuda::getCurrentCUDAStream().stream());
+    TORCH_CHECK(err == 0, "empty_call: launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
+    return out;
+}
+
+// Backward is not implemented: refuse loudly rather than return an output detached from the graph.
+at::Tensor causal_attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    TORCH_CHECK(!(c10::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad())),
+                "causal_gqa_attention: backward is not supported yet, but an input requires grad. "
+                "Call it under torch.no_grad() or pass detached tensors.");
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("gqa_attn::causal_attention", "")
+                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+    return op.call(q, k, v);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(gqa_attn, m) {
+    m.def("causal_attention(Tensor q, Tensor k, Tensor v) -> Tensor");
+    m.def("empty_call(Tensor q, Tensor k, Tensor v) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(gqa_attn, CUDA, m) {
+    m.impl("causal_attention", &causal_attention_cuda);
+    m.impl("empty_call", &empty_call_cuda);
+}
+
+TORCH_LIBRARY_IMPL(gqa_attn, Autograd, m) { m.impl("causal_attention", &causal_attention_autograd); }

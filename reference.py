@@ -1,0 +1,63 @@
+"""The reference problem, in KernelBench's format: causal grouped-query attention with Python loops.
+
+q is [B, T, Hq, D]; k and v are [B, T, Hkv, D]; query head h reads kv head h // (Hq // Hkv).
+"""
+
+import math
+
+import torch
+from torch import nn
+
+batch_size = 2
+seq_len = 80
+num_q_heads = 8
+num_kv_heads = 2
+head_dim = 32
+
+
+class Model(nn.Module):
+    def __init__(self, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim):
+        super().__init__()
+        self.num_q_heads = num_q_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+
+    def forward(self, q, k, v):
+        B, T, Hq, D = q.shape
+        group = Hq // k.shape[2]
+        k = k.repeat_interleave(group, dim=2)
+        v = v.repeat_interleave(group, dim=2)
+        out = torch.empty_like(q)
+        for b in range(B):
+            for h in range(Hq):
+                for t in range(T):
+                    scores = k[b, : t + 1, h] @ q[b, t, h] / math.sqrt(D)
+                    out[b, t, h] = torch.softmax(scores, dim=0) @ v[b, : t + 1, h]
+        return out
+
+
+def get_inputs():
+    q = torch.randn(batch_size, seq_len, num_q_heads, head_dim)
+    k = torch.randn(batch_size, seq_len, num_kv_heads, head_dim)
+    v = torch.randn(batch_size, seq_len, num_kv_heads, head_dim)
+    return [q, k, v]
+
+
+def get_init_inputs():
+    return [num_q_heads, num_kv_heads, head_dim]
+
+
+def causal_gqa_reference(q, k, v):
+    """The same function in float64 on the inputs' device, vectorised one query head at a time
+    (so memory stays at B x T x T per head)."""
+    B, T, Hq, D = q.shape
+    group = Hq // k.shape[2]
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    out = torch.empty(B, T, Hq, D, dtype=torch.float64, device=q.device)
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    for h in range(Hq):
+        kv = h // group
+        scores = torch.einsum("btd,bsd->bts", q64[:, :, h], k64[:, :, kv]) / math.sqrt(D)
+        scores = scores.masked_fill(future, float("-inf"))
+        out[:, :, h] = torch.softmax(scores, dim=-1) @ v64[:, :, kv]
+    return out
