@@ -1,0 +1,370 @@
+"""Tests for gqa_module: the build, the PyTorch path and the errors on any machine; the kernel on a GPU.
+
+Every numeric check compares against reference.causal_gqa_reference, a float64 computation.
+"""
+
+import importlib.util
+import itertools
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import gqa_module
+import reference
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
+
+
+def rel_err(out, exact):
+    return ((out.double() - exact).norm() / exact.norm()).item()
+
+
+def make_qkv(B, T, Hq, Hkv, D, device="cpu", dtype=torch.float32, seed=None):
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed if seed is not None else random.randrange(1 << 30))
+    return [torch.randn(B, T, H, D, generator=gen).to(device=device, dtype=dtype) for H in (Hq, Hkv, Hkv)]
+
+
+def check_fp32(out, q, k, v, what=""):
+    """allclose(1e-4, 1e-4) everywhere and a norm-relative error of at most 1e-5 against float64."""
+    exact = reference.causal_gqa_reference(q, k, v)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    err = (out.double() - exact).abs()
+    print("%s max abs err %.3g, mean abs err %.3g, rel %.3g" % (what, err.max().item(), err.mean().item(),
+                                                              rel_err(out, exact)))
+    assert torch.isfinite(out).all(), "non-finite output (unwritten elements?) %s" % what
+    assert torch.allclose(out.double(), exact, atol=1e-4, rtol=1e-4), what
+    assert rel_err(out, exact) <= 1e-5, what
+
+
+def bad_inputs(device):
+    """(name, q, k, v, words the message must contain) for every rule the entry point enforces."""
+    def t(*shape, dtype=torch.float32, dev=device):
+        return torch.randn(*shape).to(device=dev, dtype=dtype)
+
+    cases = [
+        ("q rank", t(2, 8, 4, 16, 1), t(2, 8, 2, 16), t(2, 8, 2, 16), ["q must be 4-D"]),
+        ("q rank", t(8, 4, 16), t(2, 8, 2, 16), t(2, 8, 2, 16), ["q must be 4-D"]),
+        ("k rank", t(2, 8, 4, 16), t(2, 8, 32), t(2, 8, 2, 16), ["k must be 4-D"]),
+        ("v rank", t(2, 8, 4, 16), t(2, 8, 2, 16), t(1, 2, 8, 2, 16), ["v must be 4-D"]),
+        ("k/v shapes", t(2, 8, 4, 16), t(2, 8, 2, 16), t(2, 8, 1, 16), ["k and v must have the same shape"]),
+        ("batch", t(2, 8, 4, 16), t(3, 8, 2, 16), t(3, 8, 2, 16), ["batch size B"]),
+        ("seq len", t(2, 8, 4, 16), t(2, 9, 2, 16), t(2, 9, 2, 16), ["sequence length T"]),
+        ("head dim", t(2, 8, 4, 16), t(2, 8, 2, 8), t(2, 8, 2, 8), ["head_dim D"]),
+        ("heads", t(2, 8, 4, 16), t(2, 8, 3, 16), t(2, 8, 3, 16), ["multiple of", "Hkv"]),
+        ("no kv heads", t(2, 8, 4, 16), t(2, 8, 0, 16), t(2, 8, 0, 16), ["at least one kv head"]),
+        ("mixed dtype", t(2, 8, 4, 16), t(2, 8, 2, 16, dtype=torch.float16), t(2, 8, 2, 16), ["share one dtype"]),
+        ("float64", t(2, 8, 4, 16, dtype=torch.float64), t(2, 8, 2, 16, dtype=torch.float64),
+         t(2, 8, 2, 16, dtype=torch.float64), ["unsupported dtype"]),
+        ("int", t(2, 8, 4, 16).int(), t(2, 8, 2, 16).int(), t(2, 8, 2, 16).int(), ["unsupported dtype"]),
+        ("head_dim too big", t(1, 4, 2, 257), t(1, 4, 1, 257), t(1, 4, 1, 257), ["head_dim", "1..256"]),
+        ("head_dim zero", t(1, 4, 2, 0), t(1, 4, 1, 0), t(1, 4, 1, 0), ["head_dim", "1..256"]),
+    ]
+    if device != "cpu":
+        cases.append(("devices", t(2, 8, 4, 16), t(2, 8, 2, 16, dev="cpu"), t(2, 8, 2, 16), ["same device"]))
+    return cases
+
+
+# ------------------------------------------------------------------------------------------------
+# Any machine
+def test_extension_builds_and_registers_ops():
+    """The real load_inline build of kernels/ compiles and loads; no GPU is needed for that."""
+    ops = gqa_module.load_extension()
+    assert "causal_attention" in str(ops.causal_attention.default._schema)
+    assert ops.empty_call.default is not None
+    assert gqa_module.load_extension() is ops   # cached: a second call does not rebuild
+
+
+def test_first_calls_from_two_threads_compile_once(tmp_path):
+    """A fresh process with an empty extension cache: two threads call first, one build happens."""
+    code = (
+        "import threading, gqa_module\n"
+        "ts = [threading.Thread(target=gqa_module.load_extension) for _ in range(2)]\n"
+        "[t.start() for t in ts]; [t.join() for t in ts]\n"
+        "assert gqa_module._OPS is not None\n"
+    )
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
+    run = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stderr.count("compiling the CUDA kernel") == 1, run.stderr[-3000:]
+
+
+CPU_GRID = [(1, 1, 1, 1, 1), (2, 2, 8, 2, 32), (1, 63, 6, 3, 40), (3, 65, 7, 1, 17), (1, 80, 8, 8, 64),
+            (2, 127, 4, 2, 3), (1, 200, 32, 8, 16)]
+
+
+@pytest.mark.parametrize("B,T,Hq,Hkv,D", CPU_GRID)
+def test_cpu_path_matches_float64(B, T, Hq, Hkv, D):
+    q, k, v = make_qkv(B, T, Hq, Hkv, D)
+    out = gqa_module.causal_gqa_attention(q, k, v)
+    exact = reference.causal_gqa_reference(q, k, v)
+    print("B=%d T=%d Hq=%d Hkv=%d D=%d rel %.3g" % (B, T, Hq, Hkv, D, rel_err(out, exact)))
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.allclose(out.double(), exact, atol=1e-4, rtol=1e-4)
+    assert rel_err(out, exact) <= 1e-5
+
+
+def test_model_new_accepts_harness_arguments():
+    q, k, v = reference.get_inputs()
+    exact = reference.causal_gqa_reference(q, k, v)
+    for model in (gqa_module.ModelNew(), gqa_module.ModelNew(*reference.get_init_inputs()),
+                  gqa_module.ModelNew(num_q_heads=8, num_kv_heads=2, head_dim=32)):
+        assert list(model.parameters()) == []
+        assert torch.allclose(model(q, k, v).double(), exact, atol=1e-4, rtol=1e-4)
+
+
+def test_reference_model_matches_float64():
+    torch.manual_seed(1)
+    q, k, v = reference.get_inputs()
+    out = reference.Model(*reference.get_init_inputs())(q, k, v)
+    exact = reference.causal_gqa_reference(q, k, v)
+    assert torch.allclose(out.double(), exact, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_float64_matches_explicit_softmax():
+    """The float64 reference itself, against a direct evaluation of the definition at a few points."""
+    q, k, v = make_qkv(2, 9, 6, 2, 5, dtype=torch.float64, seed=3)
+    exact = reference.causal_gqa_reference(q, k, v)
+    for b, t, h in [(0, 0, 0), (1, 8, 5), (0, 4, 3), (1, 3, 1)]:
+        kv = h // 3
+        s = torch.stack([q[b, t, h] @ k[b, j, kv] for j in range(t + 1)]) / math.sqrt(5)
+        w = torch.exp(s - s.max())
+        expect = sum(w[j] * v[b, j, kv] for j in range(t + 1)) / w.sum()
+        assert torch.allclose(exact[b, t, h], expect, atol=1e-12)
+
+
+N_BAD_CPU = len(bad_inputs("cpu"))
+
+
+@pytest.mark.parametrize("case", range(N_BAD_CPU))
+def test_cpu_bad_inputs_raise(case):
+    name, q, k, v, words = bad_inputs("cpu")[case]
+    with pytest.raises(ValueError) as info:
+        gqa_module.causal_gqa_attention(q, k, v)
+    for word in words:
+        assert word in str(info.value), (name, str(info.value))
+
+
+def test_cpu_empty_inputs():
+    for B, T in ((0, 5), (2, 0)):
+        q, k, v = make_qkv(B, T, 4, 2, 8)
+        out = gqa_module.causal_gqa_attention(q, k, v)
+        assert out.shape == (B, T, 4, 8)
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench_gqa", os.path.join(HERE, "bench", "bench_gqa.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_committed_results_match_schema_and_current_kernel():
+    """bench/results/*.json follow the schema, and one of them was measured on the kernel as it is now."""
+    results_dir = os.path.join(HERE, "bench", "results")
+    paths = sorted(os.path.join(results_dir, f) for f in os.listdir(results_dir) if f.endswith(".json"))
+    assert paths, "no committed benchmark results"
+    bench = _load_bench()
+    hashes = set()
+    for path in paths:
+        with open(path) as fh:
+            data = json.load(fh)
+        assert bench.validate_results_schema(data) == [], path
+        hashes.add(data["source_sha256"])
+    assert gqa_module.kernel_source_sha256() in hashes, "kernels/ changed since the last committed GPU results"
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU
+GRID_B = (1, 3)
+GRID_T = (1, 2, 63, 64, 65, 80, 127, 1000, 4097)
+GRID_D = (1, 16, 32, 40, 64, 80, 128, 200, 256)
+GRID_HEADS = ((1, 1), (8, 8), (8, 2), (6, 3), (32, 8), (7, 1))
+
+
+def gpu_grid():
+    """A fixed-seed sample of the product, plus every value of every axis at least once."""
+    rng = random.Random(20261129)
+    product = list(itertools.product(GRID_B, GRID_T, GRID_D, GRID_HEADS))
+    cases = rng.sample(product, 64)
+    for T in GRID_T:
+        cases.append((1, T, 64, (8, 2)))
+    for D in GRID_D:
+        cases.append((3, 65, D, (6, 3)))
+    for heads in GRID_HEADS:
+        cases.append((1, 127, 80, heads))
+    return sorted(set(cases))
+
+
+def call_poisoned(q, k, v):
+    """Fill the block the output will most likely reuse with NaN first, so unwritten elements show."""
+    poison = torch.full(q.shape, float("nan"), device=q.device, dtype=q.dtype)
+    del poison
+    return gqa_module.causal_gqa_attention(q, k, v)
+
+
+@needs_gpu
+@pytest.mark.parametrize("B,T,D,heads", gpu_grid())
+def test_gpu_grid_fp32(B, T, D, heads):
+    Hq, Hkv = heads
+    q, k, v = make_qkv(B, T, Hq, Hkv, D, device="cuda")
+    out = call_poisoned(q, k, v)
+    check_fp32(out, q, k, v, "B=%d T=%d Hq=%d Hkv=%d D=%d" % (B, T, Hq, Hkv, D))
+
+
+@needs_gpu
+def test_gpu_harness_shape_matches_reference_model():
+    q, k, v = [t.cuda() for t in reference.get_inputs()]
+    expected = reference.Model(*reference.get_init_inputs())(q, k, v)
+    out = gqa_module.ModelNew(*reference.get_init_inputs())(q, k, v)
+    assert torch.allclose(out, expected, atol=1e-4, rtol=1e-4)
+    assert rel_err(out, reference.causal_gqa_reference(q, k, v)) <= 1e-6
+
+
+@needs_gpu
+@pytest.mark.parametrize("D", [32, 64, 37])
+def test_gpu_strided_views(D):
+    B, T, Hq, Hkv = 2, 130, 8, 2
+    # Views of one packed qkv tensor, split along heads.
+    qkv = torch.randn(B, T, Hq + 2 * Hkv, D, device="cuda")
+    q, k, v = qkv.split([Hq, Hkv, Hkv], dim=2)
+    assert not q.is_contiguous()
+    check_fp32(call_poisoned(q, k, v), q, k, v, "packed qkv D=%d" % D)
+    # [B, H, T, D] storage seen as [B, T, H, D].
+    q, k, v = [torch.randn(B, H, T, D, device="cuda").transpose(1, 2) for H in (Hq, Hkv, Hkv)]
+    check_fp32(call_poisoned(q, k, v), q, k, v, "transposed D=%d" % D)
+    # A start that is not 16-byte aligned.
+    base = torch.randn(B * T * Hq * D + 1, device="cuda")
+    q = base[1:].view(B, T, Hq, D)
+    k, v = make_qkv(B, T, Hkv, Hkv, D, device="cuda")[1:]
+    check_fp32(call_poisoned(q, k, v), q, k, v, "offset D=%d" % D)
+    # A last dim that is not contiguous is copied once, still correct.
+    q = torch.randn(B, T, Hq, D, 2, device="cuda")[..., 0]
+    check_fp32(call_poisoned(q, k, v), q, k, v, "strided last dim D=%d" % D)
+
+
+@needs_gpu
+def test_gpu_side_stream():
+    q, k, v = make_qkv(2, 300, 8, 2, 64, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        q2, k2, v2 = q * 2, k * 1.0, v + 1
+        out = gqa_module.causal_gqa_attention(q2, k2, v2)
+    side.synchronize()
+    check_fp32(out, q2, k2, v2, "side stream")
+
+
+@needs_gpu
+def test_gpu_cuda_graph_capture_and_replay():
+    static = make_qkv(2, 80, 8, 2, 32, device="cuda")
+    gqa_module.causal_gqa_attention(*static)   # build and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gqa_module.causal_gqa_attention(*static)
+    for _ in range(3):
+        fresh = make_qkv(2, 80, 8, 2, 32, device="cuda")
+        for dst, src in zip(static, fresh):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        check_fp32(out, *fresh, "graph replay")
+
+
+@needs_gpu
+def test_gpu_repeated_calls_are_bitwise_equal():
+    q, k, v = make_qkv(3, 1000, 32, 8, 128, device="cuda")
+    first = gqa_module.causal_gqa_attention(q, k, v)
+    for _ in range(9):
+        assert torch.equal(gqa_module.causal_gqa_attention(q, k, v), first)
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", range(N_BAD_CPU + 1))
+def test_gpu_bad_inputs_raise_and_module_keeps_working(case):
+    name, q, k, v, words = bad_inputs("cuda")[case]
+    with pytest.raises(ValueError) as info:
+        gqa_module.causal_gqa_attention(q, k, v)
+    for word in words:
+        assert word in str(info.value), (name, str(info.value))
+    good = make_qkv(1, 33, 4, 2, 16, device="cuda")
+    check_fp32(gqa_module.causal_gqa_attention(*good), *good, "after error")
+
+
+@needs_gpu
+def test_gpu_requires_grad_is_refused_not_detached():
+    q, k, v = make_qkv(1, 16, 4, 2, 16, device="cuda")
+    q.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="backward is not supported"):
+        gqa_module.causal_gqa_attention(q, k, v)
+    with torch.no_grad():
+        check_fp32(gqa_module.causal_gqa_attention(q, k, v), q.detach(), k, v, "no_grad")
+
+
+@needs_gpu
+def test_gpu_empty_inputs():
+    for B, T in ((0, 5), (2, 0)):
+        q, k, v = make_qkv(B, T, 4, 2, 8, device="cuda")
+        out = gqa_module.causal_gqa_attention(q, k, v)
+        assert out.shape == (B, T, 4, 8) and out.is_cuda
+
+
+@needs_gpu
+def test_gpu_nan_propagates_like_reference():
+    q, k, v = make_qkv(1, 70, 4, 2, 32, device="cuda")
+    q[0, 10, 1, 3] = float("nan")
+    v[0, 20, 1, 0] = float("nan")
+    out = gqa_module.causal_gqa_attention(q, k, v)
+    exact = reference.causal_gqa_reference(q, k, v)
+    assert torch.equal(torch.isnan(out), torch.isnan(exact))
+    finite = ~torch.isnan(exact)
+    assert torch.allclose(out.double()[finite], exact[finite], atol=1e-4, rtol=1e-4)
+
+
+@needs_gpu
+def test_gpu_large_scores_stay_stable():
+    q, k, v = make_qkv(1, 500, 4, 1, 64, device="cuda")
+    q, k = q * 30, k * 30   # scores in the thousands: a naive exp overflows
+    check_fp32(call_poisoned(q, k, v), q, k, v, "large scores")
+
+
+@needs_gpu
+def test_gpu_allow_tf32_uses_single_tf32_and_default_is_fp32_accurate():
+    q, k, v = make_qkv(2, 700, 8, 2, 128, device="cuda")
+    exact = reference.causal_gqa_reference(q, k, v)
+    accurate = rel_err(gqa_module.causal_gqa_attention(q, k, v), exact)
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    fast = rel_err(gqa_module.causal_gqa_attention(q, k, v), exact)
+    torch.backends.cuda.matmul.allow_tf32 = previous
+    print("rel err: 3xTF32 %.3g, TF32 %.3g" % (accurate, fast))
+    assert accurate <= 2e-6
+    assert fast <= 5e-3 and fast > 2 * accurate   # really the single-product path, still sane
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B,T,Hq,Hkv,D", [(1, 1, 1, 1, 16), (2, 65, 8, 2, 64), (1, 1000, 32, 8, 128),
+                                          (1, 127, 6, 3, 200), (3, 80, 7, 1, 40)])
+def test_gpu_half_precision(dtype, B, T, Hq, Hkv, D):
+    """Error against float64 at most 2x SDPA's own error in that dtype, plus 1e-3 absolute."""
+    q, k, v = make_qkv(B, T, Hq, Hkv, D, device="cuda", dtype=dtype)
+    out = call_poisoned(q, k, v)
+    assert out.dtype == dtype
+    exact = reference.causal_gqa_reference(q, k, v)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True).transpose(1, 2)
+    ours_err = (out.double() - exact).abs().max().item()
+    sdpa_err = (sdpa.double() - exact).abs().max().item()
+    print("%s ours max err %.3g, sdpa %.3g" % (dtype, ours_err, sdpa_err))
+    assert torch.isfinite(out).all()
+    assert ours_err <= 2 * sdpa_err + 1e-3
