@@ -186,6 +186,18 @@ def _log(ctx, msg: str) -> None:
     print(f"[{time.perf_counter() - ctx.t0:7.1f}s] {msg}", flush=True)
 
 
+def _warning_hints(caught) -> str:
+    """The reasons SDPA gives (as warnings) for refusing a backend, compacted."""
+    hints = []
+    for w in caught:
+        text = re.sub(r"\s*\(Triggered internally at[^)]*\)\.?", "", " ".join(str(w.message).split())).strip()
+        if not text or text.endswith("because:") or text in hints:
+            continue
+        if any(s in text for s in ("support", "require", "Expected", "expected", "must", "only")):
+            hints.append(text[:110])
+    return (" [" + " | ".join(hints[:2]) + "]") if hints else ""
+
+
 def _gib(nbytes: float) -> float:
     return nbytes / 2**30
 
@@ -631,16 +643,7 @@ class Bench:
                 out = fn(*args)
                 torch.cuda.synchronize()
             except Exception as e:
-                err = format_error(e)
-                keys = ("because", "only supports", "not support", "requires", "must ", "expected")
-                hints = []
-                for w in caught:
-                    text = " ".join(str(w.message).split())
-                    if any(s in text for s in keys) and text not in hints:
-                        hints.append(text[:120])
-                if hints:
-                    err += " [" + " | ".join(hints[:3]) + "]"
-                return None, err
+                return None, format_error(e) + _warning_hints(caught)
         if name == "empty_call":  # the launch floor: its output is not attention
             del out
             return None, None

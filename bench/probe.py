@@ -29,3 +29,22 @@ for dtype in (torch.float32, torch.bfloat16):
         print("%-22s %-9s ours %8.4f ms %6.1f TF/s | sdpa_eff %8.4f ms %6.1f TF/s | ratio %.2f | empty %.4f"
               % ((B, T, Hq, Hkv, D), str(dtype)[6:], ours, f / ours / 1e9, theirs, f / theirs / 1e9, theirs / ours, empty),
               flush=True)
+
+# Graph replay of the harness shape: GPU time per call without host overhead.
+q, k, v = [torch.randn(2, 80, H, 32, device="cuda") for H in (8, 2, 2)]
+for fn, name in ((gqa_module.causal_gqa_attention, "project"), (gqa_module.empty_call, "empty")):
+    fn(q, k, v)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(20):
+            fn(q, k, v)
+    g.replay()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(10):
+        g.replay()
+    e.record()
+    torch.cuda.synchronize()
+    print("graph replay %s: %.2f us per call" % (name, s.elapsed_time(e) / 200 * 1000))

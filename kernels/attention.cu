@@ -31,25 +31,40 @@ namespace {
 
 // ---------------------------------------------------------------------------------------------
 // Tile configuration, one place. DP is the compiled head_dim width (D is zero-padded up to it).
-template <int DP> struct TileShape;
-template <> struct TileShape<32>  { static constexpr int kWarps = 4, kBlockN = 64; };
-template <> struct TileShape<64>  { static constexpr int kWarps = 4, kBlockN = 64; };
-template <> struct TileShape<128> { static constexpr int kWarps = 4, kBlockN = 32; };
-template <> struct TileShape<256> { static constexpr int kWarps = 4, kBlockN = 32; };
+// KW is the number of warps that split one K/V tile between them (in-CTA split of the key range).
+//  - KW = 1, "long": 4 warps own 64 query rows and walk the keys together.
+//  - KW = 4, "short": 4 warps own the same 16 rows, each takes a quarter of every K/V tile, and
+//    the four partial softmax states are merged at the end. A short sequence then has a 4x
+//    shorter critical path per CTA and 4x more CTAs to spread over the SMs.
+template <int DP, int KW> struct TileShape;
+template <> struct TileShape<32, 1>  { static constexpr int kBlockN = 64; };
+template <> struct TileShape<64, 1>  { static constexpr int kBlockN = 64; };
+template <> struct TileShape<128, 1> { static constexpr int kBlockN = 32; };
+template <> struct TileShape<256, 1> { static constexpr int kBlockN = 32; };
+template <> struct TileShape<32, 4>  { static constexpr int kBlockN = 16; };
+template <> struct TileShape<64, 4>  { static constexpr int kBlockN = 16; };
+template <> struct TileShape<128, 4> { static constexpr int kBlockN = 8; };
 
-template <int DP> struct TileTraits {
-    static constexpr int kWarps = TileShape<DP>::kWarps;
+template <int DP, int KW> struct TileTraits {
+    static constexpr int kWarps = 4;
+    static constexpr int kSplitWarps = KW;               // warps sharing one query row block
+    static constexpr int kRowWarps = kWarps / KW;        // warps stacked along the query rows
     static constexpr int kThreads = 32 * kWarps;
-    static constexpr int kBlockM = 16 * kWarps;   // query rows per CTA: 16 per warp
-    static constexpr int kBlockN = TileShape<DP>::kBlockN;
+    static constexpr int kBlockM = 16 * kRowWarps;       // query rows per CTA: 16 per row warp
+    static constexpr int kBlockN = TileShape<DP, KW>::kBlockN;   // keys per warp per tile
+    static constexpr int kTileKeys = kBlockN * KW;       // keys per shared-memory stage
     static constexpr int kStages = 2;
     // Row pitch in floats. DP + 4 is 4 (mod 32 banks), which makes every fragment load below
     // conflict-free: a warp's 32 lanes touch 32 distinct banks.
     static constexpr int kLd = DP + 4;
-    static constexpr size_t kSmemBytes =
-        sizeof(float) * size_t(kLd) * (kBlockM + 2 * kStages * kBlockN);
+    static constexpr size_t kKvFloats = size_t(2) * kStages * kTileKeys * kLd;
+    static constexpr size_t kSmemBytes = sizeof(float) * (size_t(kLd) * kBlockM + kKvFloats);
+    // The key-split merge reuses the K/V buffers: per warp, each lane's O fragment plus (m, l).
+    static constexpr size_t kMergeFloats = size_t(kWarps) * 32 * (DP / 2 + 4);
     static_assert(DP % 32 == 0, "compiled head_dim widths are multiples of 32");
     static_assert(kBlockN % 8 == 0, "kBlockN is a whole number of mma n-tiles");
+    static_assert(kWarps % KW == 0, "the split warps must divide the CTA");
+    static_assert(KW == 1 || kMergeFloats <= kKvFloats, "merge scratch must fit in the K/V buffers");
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -171,18 +186,19 @@ __device__ __forceinline__ void load_rows(float* dst, RowPtr row_ptr, const Elem
 }
 
 // ---------------------------------------------------------------------------------------------
-template <typename Elem, int DP>
-__global__ void __launch_bounds__(TileTraits<DP>::kThreads)
+template <typename Elem, int DP, int KW>
+__global__ void __launch_bounds__(TileTraits<DP, KW>::kThreads)
 gqa_fwd_kernel(const GqaParams p) {
-    using Tr = TileTraits<DP>;
+    using Tr = TileTraits<DP, KW>;
     constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, LD = Tr::kLd, NT = Tr::kThreads;
+    constexpr int TK = Tr::kTileKeys;
     constexpr int kNTiles = BN / 8;   // mma n-tiles of S per K/V tile
     constexpr int kDTiles = DP / 8;   // mma n-tiles of O (and k-steps of QK^T)
 
     extern __shared__ float4 smem_raw[];
     float* sQ = reinterpret_cast<float*>(smem_raw);   // [BM][LD]
-    float* sK = sQ + BM * LD;                         // [kStages][BN][LD]
-    float* sV = sK + Tr::kStages * BN * LD;           // [kStages][BN][LD]
+    float* sK = sQ + BM * LD;                         // [kStages][TK][LD]
+    float* sV = sK + Tr::kStages * TK * LD;           // [kStages][TK][LD]
 
     const int G = p.group, T = p.T;
     const int bh_count = p.B * p.Hkv;
@@ -196,8 +212,7 @@ gqa_fwd_kernel(const GqaParams p) {
     const int64_t r0 = int64_t(qtile) * BM;
     const int t_lo = int(r0 / G);
     const int t_hi = int(min((r0 + BM - 1) / G, int64_t(T - 1)));
-    const int n_kv = t_hi / BN + 1;            // K/V tiles this CTA visits
-    const int n_unmasked = (t_lo + 1) / BN;    // tiles whose last key <= t_lo need no mask
+    const int n_kv = t_hi / TK + 1;            // K/V tiles this CTA visits
 
     const Elem* q_base = static_cast<const Elem*>(p.q) + b * p.q_stride_b + int64_t(kvh) * G * p.q_stride_h;
     const Elem* k_base = static_cast<const Elem*>(p.k) + b * p.k_stride_b + kvh * p.k_stride_h;
@@ -210,11 +225,11 @@ gqa_fwd_kernel(const GqaParams p) {
         return q_base + t * p.q_stride_t + (R - t * G) * p.q_stride_h;
     };
     auto load_kv = [&](int tile, int stage) {
-        const int n0 = tile * BN;
+        const int n0 = tile * TK;
         auto k_row = [&](int r) -> const Elem* { return n0 + r < T ? k_base + int64_t(n0 + r) * p.k_stride_t : nullptr; };
         auto v_row = [&](int r) -> const Elem* { return n0 + r < T ? v_base + int64_t(n0 + r) * p.v_stride_t : nullptr; };
-        load_rows<Elem, DP, BN, NT>(sK + stage * BN * LD, k_row, k_base, p.D, p.vec16);
-        load_rows<Elem, DP, BN, NT>(sV + stage * BN * LD, v_row, v_base, p.D, p.vec16);
+        load_rows<Elem, DP, TK, NT>(sK + stage * TK * LD, k_row, k_base, p.D, p.vec16);
+        load_rows<Elem, DP, TK, NT>(sV + stage * TK * LD, v_row, v_base, p.D, p.vec16);
     };
 
     load_rows<Elem, DP, BM, NT>(sQ, q_row, q_base, p.D, p.vec16);
@@ -223,7 +238,8 @@ gqa_fwd_kernel(const GqaParams p) {
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int gid = lane >> 2, tig = lane & 3;   // mma group id (row) and thread in group (column)
-    const int wrow = warp * 16;                  // the warp's first row in the tile
+    const int wrow = (warp % Tr::kRowWarps) * 16;   // the warp's first row in the tile
+    const int wkey = (warp / Tr::kRowWarps) * BN;   // the warp's first key in each K/V tile
     const int ksteps = (p.D + 7) / 8;            // k-steps that touch real columns
     const bool single = p.tf32_single;
     const float scale_log2 = p.scale_log2;
@@ -232,6 +248,8 @@ gqa_fwd_kernel(const GqaParams p) {
     int row_t[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) row_t[i] = int((r0 + wrow + gid + 8 * i) / G);
+    const int warp_t_lo = int((r0 + wrow) / G);
+    const int warp_t_hi = int((r0 + wrow + 15) / G);
 
     float o[kDTiles][4];
 #pragma unroll
@@ -248,8 +266,13 @@ gqa_fwd_kernel(const GqaParams p) {
             cp_async_wait<0>();
         }
         __syncthreads();
-        const float* Kt = sK + (n & 1) * BN * LD;
-        const float* Vt = sV + (n & 1) * BN * LD;
+        const int key0 = n * TK + wkey;   // first key of this warp's slice of the tile
+        if (key0 > warp_t_hi) {           // every key of the slice is in the future of every row
+            __syncthreads();
+            continue;
+        }
+        const float* Kt = sK + (n & 1) * TK * LD + wkey * LD;
+        const float* Vt = sV + (n & 1) * TK * LD + wkey * LD;
 
         // S = Q K^T for the warp's 16 rows and BN keys.
         float s[kNTiles][4];
@@ -269,13 +292,13 @@ gqa_fwd_kernel(const GqaParams p) {
             }
         }
 
-        // Causal mask, on the tiles that reach past the CTA's first time step only.
-        if (n >= n_unmasked) {
+        // Causal mask, only on slices that reach past the warp's first time step.
+        if (key0 + BN - 1 > warp_t_lo) {
 #pragma unroll
             for (int j = 0; j < kNTiles; ++j)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int key = n * BN + j * 8 + 2 * tig + (e & 1);
+                    const int key = key0 + j * 8 + 2 * tig + (e & 1);
                     if (key > row_t[e >> 1]) s[j][e] = -INFINITY;
                 }
         }
@@ -289,7 +312,8 @@ gqa_fwd_kernel(const GqaParams p) {
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float m_new = fmaxf(m[i], mx * scale_log2);
-            // Every row sees key 0 in tile 0, so m_new is finite unless the scores are not.
+            // -inf only while every key this warp has seen for the row is masked (key-split
+            // warps past the row's time step) or when the scores are not finite.
             const float m_ref = m_new == -INFINITY ? 0.f : m_new;
             const float alpha = fast_exp2(m[i] - m_ref);
             m[i] = m_new;
@@ -324,14 +348,61 @@ gqa_fwd_kernel(const GqaParams p) {
         __syncthreads();   // the stage is refilled by the next iteration's prefetch
     }
 
-    // Epilogue: finish l across the quad that shares a row, normalise, store.
+    // Epilogue: finish l across the quad that shares a row.
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+    }
+    if constexpr (KW > 1) {
+        // Merge the key-split warps' states: O = sum_w 2^(m_w - M) O_w, l likewise, M = max_w m_w.
+        // Lanes of the warps that share rows hold the same (row, column) fragments, so each lane
+        // parks its registers at [warp][slot][lane] and the row's first warp reads them back.
+        constexpr int kSlots = kDTiles * 4 + 4;
+        float* scratch = sK;   // the K/V buffers are free: the loop ended on a barrier
+#pragma unroll
+        for (int d = 0; d < kDTiles; ++d)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) scratch[(warp * kSlots + d * 4 + e) * 32 + lane] = o[d][e];
+        scratch[(warp * kSlots + kDTiles * 4 + 0) * 32 + lane] = m[0];
+        scratch[(warp * kSlots + kDTiles * 4 + 1) * 32 + lane] = m[1];
+        scratch[(warp * kSlots + kDTiles * 4 + 2) * 32 + lane] = l[0];
+        scratch[(warp * kSlots + kDTiles * 4 + 3) * 32 + lane] = l[1];
+        __syncthreads();
+        if (warp >= Tr::kRowWarps) return;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            float m_all = m[i];
+#pragma unroll
+            for (int w = 1; w < KW; ++w)
+                m_all = fmaxf(m_all, scratch[((warp + w * Tr::kRowWarps) * kSlots + kDTiles * 4 + i) * 32 + lane]);
+            const float m_ref = m_all == -INFINITY ? 0.f : m_all;
+            const float own = fast_exp2(m[i] - m_ref);
+            l[i] *= own;
+#pragma unroll
+            for (int d = 0; d < kDTiles; ++d) {
+                o[d][2 * i] *= own;
+                o[d][2 * i + 1] *= own;
+            }
+#pragma unroll
+            for (int w = 1; w < KW; ++w) {
+                const int src = (warp + w * Tr::kRowWarps) * kSlots;
+                const float c = fast_exp2(scratch[(src + kDTiles * 4 + i) * 32 + lane] - m_ref);
+                l[i] += c * scratch[(src + kDTiles * 4 + 2 + i) * 32 + lane];
+#pragma unroll
+                for (int d = 0; d < kDTiles; ++d) {
+                    o[d][2 * i] += c * scratch[(src + d * 4 + 2 * i) * 32 + lane];
+                    o[d][2 * i + 1] += c * scratch[(src + d * 4 + 2 * i + 1) * 32 + lane];
+                }
+            }
+        }
+    }
+
+    // Normalise and store.
     Elem* o_base = static_cast<Elem*>(p.o) + b * p.o_stride_b + int64_t(kvh) * G * p.o_stride_h;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-        float li = l[i];
-        li += __shfl_xor_sync(0xffffffffu, li, 1);
-        li += __shfl_xor_sync(0xffffffffu, li, 2);
-        const float inv = 1.f / li;
+        const float inv = 1.f / l[i];
         const int64_t R = r0 + wrow + gid + 8 * i;
         if (R >= rows_total) continue;
         const int64_t t = R / G;
@@ -348,32 +419,31 @@ gqa_fwd_kernel(const GqaParams p) {
 __global__ void gqa_empty_kernel() {}
 
 // ---------------------------------------------------------------------------------------------
-// Raise the dynamic shared-memory limit once per (kernel, device).
+// Per-device facts, read once.
 constexpr int kMaxDevices = 64;
 
-template <typename Kernel>
-cudaError_t allow_smem(Kernel kernel, size_t bytes) {
-    static bool raised[kMaxDevices] = {};
-    if (bytes <= 48 * 1024) return cudaSuccess;
-    int dev = 0;
-    cudaError_t err = cudaGetDevice(&dev);
-    if (err != cudaSuccess) return err;
-    if (dev < kMaxDevices && raised[dev]) return cudaSuccess;
-    int optin = 0;
-    err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-    if (err != cudaSuccess) return err;
-    if (bytes > size_t(optin)) return cudaErrorInvalidConfiguration;
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-    if (err == cudaSuccess && dev < kMaxDevices) raised[dev] = true;
-    return err;
+int sm_count(int dev) {
+    static int count[kMaxDevices] = {};
+    if (dev >= kMaxDevices) return 132;
+    if (count[dev] == 0) cudaDeviceGetAttribute(&count[dev], cudaDevAttrMultiProcessorCount, dev);
+    return count[dev] > 0 ? count[dev] : 132;
 }
 
-template <typename Elem, int DP>
-cudaError_t launch(const GqaParams& p, cudaStream_t stream) {
-    using Tr = TileTraits<DP>;
-    auto kernel = gqa_fwd_kernel<Elem, DP>;
-    cudaError_t err = allow_smem(kernel, Tr::kSmemBytes);
-    if (err != cudaSuccess) return err;
+template <typename Elem, int DP, int KW>
+cudaError_t launch(const GqaParams& p, cudaStream_t stream, int dev) {
+    using Tr = TileTraits<DP, KW>;
+    auto kernel = gqa_fwd_kernel<Elem, DP, KW>;
+    // Raise the dynamic shared-memory limit once per (kernel, device).
+    static bool raised[kMaxDevices] = {};
+    if (Tr::kSmemBytes > 48 * 1024 && !(dev < kMaxDevices && raised[dev])) {
+        int optin = 0;
+        cudaError_t err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+        if (err != cudaSuccess) return err;
+        if (Tr::kSmemBytes > size_t(optin)) return cudaErrorInvalidConfiguration;
+        err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Tr::kSmemBytes));
+        if (err != cudaSuccess) return err;
+        if (dev < kMaxDevices) raised[dev] = true;
+    }
     const int64_t n_qtiles = (int64_t(p.T) * p.group + Tr::kBlockM - 1) / Tr::kBlockM;
     const int64_t blocks = n_qtiles * p.B * p.Hkv;
     if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
@@ -381,13 +451,27 @@ cudaError_t launch(const GqaParams& p, cudaStream_t stream) {
     return cudaGetLastError();
 }
 
+// Long sequences walk the keys with 4 row warps; when that leaves the GPU with less than one CTA
+// per SM, the key-split variant trades rows per CTA for 4x shorter key walks.
+template <typename Elem, int DP>
+cudaError_t launch_best(const GqaParams& p, cudaStream_t stream, int dev) {
+    if constexpr (DP <= 128) {
+        const int64_t long_blocks = (int64_t(p.T) * p.group + 63) / 64 * p.B * p.Hkv;
+        if (long_blocks < sm_count(dev)) return launch<Elem, DP, 4>(p, stream, dev);
+    }
+    return launch<Elem, DP, 1>(p, stream, dev);
+}
+
 // The single dispatch: runtime head_dim picks the compiled width.
 template <typename Elem>
 cudaError_t dispatch_head_dim(const GqaParams& p, cudaStream_t stream) {
-    if (p.D <= 32) return launch<Elem, 32>(p, stream);
-    if (p.D <= 64) return launch<Elem, 64>(p, stream);
-    if (p.D <= 128) return launch<Elem, 128>(p, stream);
-    if (p.D <= 256) return launch<Elem, 256>(p, stream);
+    int dev = 0;
+    const cudaError_t err = cudaGetDevice(&dev);
+    if (err != cudaSuccess) return err;
+    if (p.D <= 32) return launch_best<Elem, 32>(p, stream, dev);
+    if (p.D <= 64) return launch_best<Elem, 64>(p, stream, dev);
+    if (p.D <= 128) return launch_best<Elem, 128>(p, stream, dev);
+    if (p.D <= 256) return launch_best<Elem, 256>(p, stream, dev);
     return cudaErrorInvalidValue;
 }
 
