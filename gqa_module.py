@@ -153,7 +153,7 @@ def load_extension():
             cpp_sources=[cpp_source],
             cuda_sources=[cuda_source],
             extra_cflags=["-O2"],
-            extra_cuda_cflags=["-O3", "-std=c++17"] + arch + (["-Xptxas=-v"] if verbose else []),
+            extra_cuda_cflags=["-O3", "-std=c++17", "--split-compile=0"] + arch + (["-Xptxas=-v"] if verbose else []),
             build_directory=build_dir,
             verbose=verbose,
             with_cuda=True,

@@ -14,7 +14,8 @@
 // Products. Both QK^T and PV use mma.sync m16n8k8 TF32. Each fp32 operand x is split into
 // big = tf32(x) and small = tf32(x - big); big*big + big*small + small*big recovers about 21 of
 // fp32's 24 mantissa bits per product, with fp32 accumulation (3xTF32). When the caller allows
-// TF32 (torch.backends.cuda.matmul.allow_tf32), only big*big is issued.
+// TF32 (torch.backends.cuda.matmul.allow_tf32), only big*big is issued. fp16 and bf16 inputs are
+// exact in TF32: QK^T needs one product, and PV two (P itself is fp32).
 //
 // The operand element type (float, half, bfloat16) is a template parameter of the loaders only:
 // shared memory and all arithmetic are fp32.
@@ -47,7 +48,6 @@ template <> struct TileShape<128, 4> { static constexpr int kBlockN = 8; };
 
 template <int DP, int KW> struct TileTraits {
     static constexpr int kWarps = 4;
-    static constexpr int kSplitWarps = KW;               // warps sharing one query row block
     static constexpr int kRowWarps = kWarps / KW;        // warps stacked along the query rows
     static constexpr int kThreads = 32 * kWarps;
     static constexpr int kBlockM = 16 * kRowWarps;       // query rows per CTA: 16 per row warp
@@ -94,31 +94,47 @@ __device__ __forceinline__ uint32_t to_tf32(float x) {
     return r;
 }
 
-// x = big + small, both representable in TF32; the remainder below small is about 2^-22 |x|.
+// x = big + small with big = x rounded to TF32. small is passed to the tensor core as it is; the
+// hardware reads its top 19 bits, so the remainder dropped is below 2^-21 |x|.
 __device__ __forceinline__ void split_tf32(float x, uint32_t& big, uint32_t& small) {
     big = to_tf32(x);
-    small = to_tf32(x - __uint_as_float(big));
+    small = __float_as_uint(x - __uint_as_float(big));
 }
 
-__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
         "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// c += a * b at fp32 accuracy (three TF32 products), or at TF32 accuracy (one).
-__device__ __forceinline__ void mma_split(float (&c)[4], const uint32_t (&a_big)[4], const uint32_t (&a_small)[4],
-                                          float b0, float b1, bool single) {
-    uint32_t b0_big, b0_small, b1_big, b1_small;
-    split_tf32(b0, b0_big, b0_small);
-    split_tf32(b1, b1_big, b1_small);
-    if (!single) {
-        mma_tf32(c, a_small, b0_big, b1_big);
-        mma_tf32(c, a_big, b0_small, b1_small);
+// c[n] += a * b[n] for N independent n-tiles, from TF32 terms:
+//   3 = small*big + big*small + big*big (fp32 accuracy), 2 = without big*small (b exact in TF32,
+//   as fp16 and bf16 inputs are), 1 = big*big alone.
+// `b` holds each n-tile's two raw fp32 operands. Issuing term by term across the n-tiles keeps N
+// independent products between two that share an accumulator.
+// `acc(n)` names n-tile n's accumulator (a lambda, so register arrays are indexed by constants).
+template <int N, typename Acc>
+__device__ __forceinline__ void mma_terms(Acc acc, const uint32_t (&a_big)[4], const uint32_t (&a_small)[4],
+                                          const float (&b)[N][2], int terms) {
+    uint32_t b_big[N][2], b_small[N][2];
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            if (terms == 3) split_tf32(b[n][i], b_big[n][i], b_small[n][i]);
+            else b_big[n][i] = to_tf32(b[n][i]);
+        }
+    if (terms >= 2) {
+#pragma unroll
+        for (int n = 0; n < N; ++n) mma_tf32(acc(n), a_small, b_big[n]);
     }
-    mma_tf32(c, a_big, b0_big, b1_big);
+    if (terms == 3) {
+#pragma unroll
+        for (int n = 0; n < N; ++n) mma_tf32(acc(n), a_big, b_small[n]);
+    }
+#pragma unroll
+    for (int n = 0; n < N; ++n) mma_tf32(acc(n), a_big, b_big[n]);
 }
 
 template <typename Elem> __device__ __forceinline__ float to_float(Elem x);
@@ -194,6 +210,7 @@ gqa_fwd_kernel(const GqaParams p) {
     constexpr int TK = Tr::kTileKeys;
     constexpr int kNTiles = BN / 8;   // mma n-tiles of S per K/V tile
     constexpr int kDTiles = DP / 8;   // mma n-tiles of O (and k-steps of QK^T)
+    constexpr int kDGroup = 4;        // O n-tiles issued together in P.V
 
     extern __shared__ float4 smem_raw[];
     float* sQ = reinterpret_cast<float*>(smem_raw);   // [BM][LD]
@@ -210,7 +227,6 @@ gqa_fwd_kernel(const GqaParams p) {
     const int b = bh / p.Hkv, kvh = bh % p.Hkv;
 
     const int64_t r0 = int64_t(qtile) * BM;
-    const int t_lo = int(r0 / G);
     const int t_hi = int(min((r0 + BM - 1) / G, int64_t(T - 1)));
     const int n_kv = t_hi / TK + 1;            // K/V tiles this CTA visits
 
@@ -241,7 +257,10 @@ gqa_fwd_kernel(const GqaParams p) {
     const int wrow = (warp % Tr::kRowWarps) * 16;   // the warp's first row in the tile
     const int wkey = (warp / Tr::kRowWarps) * BN;   // the warp's first key in each K/V tile
     const int ksteps = (p.D + 7) / 8;            // k-steps that touch real columns
-    const bool single = p.tf32_single;
+    // fp16 and bf16 values are exact in TF32, so their products need fewer terms; P is fp32.
+    constexpr bool kHalfIn = !std::is_same<Elem, float>::value;
+    const int qk_terms = (kHalfIn || p.tf32_single) ? 1 : 3;
+    const int pv_terms = p.tf32_single ? 1 : (kHalfIn ? 2 : 3);
     const float scale_log2 = p.scale_log2;
 
     // Time step of this thread's two rows (gid and gid + 8 of the warp's 16).
@@ -285,11 +304,14 @@ gqa_fwd_kernel(const GqaParams p) {
             split_tf32(qa[8 * LD], a_big[1], a_small[1]);
             split_tf32(qa[4], a_big[2], a_small[2]);
             split_tf32(qa[8 * LD + 4], a_big[3], a_small[3]);
+            float kb[kNTiles][2];
 #pragma unroll
             for (int j = 0; j < kNTiles; ++j) {
-                const float* kb = Kt + (j * 8 + gid) * LD + kk * 8 + tig;
-                mma_split(s[j], a_big, a_small, kb[0], kb[4], single);
+                const float* src = Kt + (j * 8 + gid) * LD + kk * 8 + tig;
+                kb[j][0] = src[0];
+                kb[j][1] = src[4];
             }
+            mma_terms<kNTiles>([&](int n) -> float(&)[4] { return s[n]; }, a_big, a_small, kb, qk_terms);
         }
 
         // Causal mask, only on slices that reach past the warp's first time step.
@@ -340,10 +362,19 @@ gqa_fwd_kernel(const GqaParams p) {
             split_tf32(s[j][2], a_big[1], a_small[1]);
             split_tf32(s[j][1], a_big[2], a_small[2]);
             split_tf32(s[j][3], a_big[3], a_small[3]);
-            const float* vb = Vt + (j * 8 + 2 * tig) * LD + gid;
+            const float* vsrc = Vt + (j * 8 + 2 * tig) * LD + gid;
+            // O's n-tiles in groups of kDGroup, skipping groups wholly in the zero padding.
 #pragma unroll
-            for (int d = 0; d < kDTiles; ++d)
-                if (d < ksteps) mma_split(o[d], a_big, a_small, vb[d * 8], vb[LD + d * 8], single);
+            for (int d0 = 0; d0 < kDTiles; d0 += kDGroup) {
+                if (d0 >= ksteps) break;
+                float vb[kDGroup][2];
+#pragma unroll
+                for (int d = 0; d < kDGroup; ++d) {
+                    vb[d][0] = vsrc[(d0 + d) * 8];
+                    vb[d][1] = vsrc[LD + (d0 + d) * 8];
+                }
+                mma_terms<kDGroup>([&](int n) -> float(&)[4] { return o[d0 + n]; }, a_big, a_small, vb, pv_terms);
+            }
         }
         __syncthreads();   // the stage is refilled by the next iteration's prefetch
     }
