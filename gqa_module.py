@@ -30,7 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_KERNEL_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")
+# The bundle written by `python gqa_module.py --bundle OUT.py` sets this to {path: source text}, so
+# that it reads no files at run time; this module reads kernels/ from disk instead.
+_EMBEDDED_SOURCES = None
 _HEADER = "gqa_params.h"
 _CPP_FILE = "binding.cpp"
 _CUDA_FILE = "attention.cu"
@@ -43,12 +45,15 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Sources and their hash
 def _read_kernel_files():
     """Every file under kernels/, by relative path, in sorted path order."""
+    if _EMBEDDED_SOURCES is not None:
+        return {path: text.encode() for path, text in sorted(_EMBEDDED_SOURCES.items())}
+    kernel_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")
     files = {}
-    for root, _, names in os.walk(_KERNEL_DIR):
+    for root, _, names in os.walk(kernel_dir):
         for name in names:
             path = os.path.join(root, name)
             with open(path, "rb") as fh:
-                files[os.path.relpath(path, _KERNEL_DIR)] = fh.read()
+                files[os.path.relpath(path, kernel_dir)] = fh.read()
     return dict(sorted(files.items()))
 
 
@@ -160,8 +165,18 @@ def load_extension():
             is_python_module=False,
             no_implicit_headers=True,
         )
+        _register_fake()
         _OPS = getattr(torch.ops, _LIBRARY)
     return _OPS
+
+
+def _register_fake():
+    """Shape-only implementations, so torch.compile and FakeTensor tracing see through the ops."""
+    def like_query(q, k, v):
+        return q.new_empty(q.shape)
+
+    torch.library.register_fake("%s::causal_attention" % _LIBRARY)(like_query)
+    torch.library.register_fake("%s::empty_call" % _LIBRARY)(like_query)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -253,6 +268,19 @@ class ModelNew(nn.Module):
 
 
 # ------------------------------------------------------------------------------------------------
+# Single-file bundle for harnesses that exec one source file
+def write_bundle(path):
+    """Write this module, with every kernels/ source embedded as a string, to one Python file."""
+    with open(os.path.abspath(__file__)) as fh:
+        source = fh.read()
+    embedded = {name: blob.decode() for name, blob in _read_kernel_files().items()}
+    marker = "\n_EMBEDDED_SOURCES = None\n"
+    assert source.count(marker) == 1
+    source = source.replace(marker, "\n_EMBEDDED_SOURCES = %r\n" % embedded)
+    with open(path, "w") as fh:
+        fh.write(source)
+
+
 def _main():
     import importlib.util
 
@@ -303,4 +331,8 @@ def _main():
 
 
 if __name__ == "__main__":
-    _main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--bundle":
+        write_bundle(sys.argv[2])
+        print("wrote %s" % sys.argv[2])
+    else:
+        _main()

@@ -42,8 +42,8 @@ template <> struct TileShape<32, 1>  { static constexpr int kBlockN = 64; };
 template <> struct TileShape<64, 1>  { static constexpr int kBlockN = 64; };
 template <> struct TileShape<128, 1> { static constexpr int kBlockN = 32; };
 template <> struct TileShape<256, 1> { static constexpr int kBlockN = 32; };
-template <> struct TileShape<32, 4>  { static constexpr int kBlockN = 16; };
-template <> struct TileShape<64, 4>  { static constexpr int kBlockN = 16; };
+template <> struct TileShape<32, 4>  { static constexpr int kBlockN = 32; };
+template <> struct TileShape<64, 4>  { static constexpr int kBlockN = 32; };
 template <> struct TileShape<128, 4> { static constexpr int kBlockN = 8; };
 
 template <int DP, int KW> struct TileTraits {
@@ -94,11 +94,12 @@ __device__ __forceinline__ uint32_t to_tf32(float x) {
     return r;
 }
 
-// x = big + small with big = x rounded to TF32. small is passed to the tensor core as it is; the
-// hardware reads its top 19 bits, so the remainder dropped is below 2^-21 |x|.
+// x = big + small, both rounded to TF32; the remainder dropped is about 2^-22 |x|. (Leaving small
+// to the tensor core's truncation instead doubles that, and measured 1.03e-5 norm-relative error
+// at T=4097, D=1, against 1e-5 allowed.)
 __device__ __forceinline__ void split_tf32(float x, uint32_t& big, uint32_t& small) {
     big = to_tf32(x);
-    small = __float_as_uint(x - __uint_as_float(big));
+    small = to_tf32(x - __uint_as_float(big));
 }
 
 __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
@@ -219,15 +220,15 @@ gqa_fwd_kernel(const GqaParams p) {
 
     const int G = p.group, T = p.T;
     const int bh_count = p.B * p.Hkv;
-    const int64_t rows_total = int64_t(T) * G;
-    const int n_qtiles = int((rows_total + BM - 1) / BM);
+    const int rows_total = T * G;   // T * Hq < 2^31 is checked on the host
+    const int n_qtiles = (rows_total + BM - 1) / BM;
     // Longest rows first: the first wave of CTAs takes the last query tile of every (b, kv head).
     const int qtile = n_qtiles - 1 - int(blockIdx.x / bh_count);
     const int bh = int(blockIdx.x % bh_count);
     const int b = bh / p.Hkv, kvh = bh % p.Hkv;
 
-    const int64_t r0 = int64_t(qtile) * BM;
-    const int t_hi = int(min((r0 + BM - 1) / G, int64_t(T - 1)));
+    const int r0 = qtile * BM;
+    const int t_hi = min((r0 + BM - 1) / G, T - 1);
     const int n_kv = t_hi / TK + 1;            // K/V tiles this CTA visits
 
     const Elem* q_base = static_cast<const Elem*>(p.q) + b * p.q_stride_b + int64_t(kvh) * G * p.q_stride_h;
@@ -235,10 +236,10 @@ gqa_fwd_kernel(const GqaParams p) {
     const Elem* v_base = static_cast<const Elem*>(p.v) + b * p.v_stride_b + kvh * p.v_stride_h;
 
     auto q_row = [&](int r) -> const Elem* {
-        const int64_t R = r0 + r;
+        const int R = r0 + r;
         if (R >= rows_total) return nullptr;
-        const int64_t t = R / G;
-        return q_base + t * p.q_stride_t + (R - t * G) * p.q_stride_h;
+        const int t = R / G;
+        return q_base + int64_t(t) * p.q_stride_t + int64_t(R - t * G) * p.q_stride_h;
     };
     auto load_kv = [&](int tile, int stage) {
         const int n0 = tile * TK;
@@ -266,9 +267,9 @@ gqa_fwd_kernel(const GqaParams p) {
     // Time step of this thread's two rows (gid and gid + 8 of the warp's 16).
     int row_t[2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) row_t[i] = int((r0 + wrow + gid + 8 * i) / G);
-    const int warp_t_lo = int((r0 + wrow) / G);
-    const int warp_t_hi = int((r0 + wrow + 15) / G);
+    for (int i = 0; i < 2; ++i) row_t[i] = (r0 + wrow + gid + 8 * i) / G;
+    const int warp_t_lo = (r0 + wrow) / G;
+    const int warp_t_hi = (r0 + wrow + 15) / G;
 
     float o[kDTiles][4];
 #pragma unroll
@@ -434,10 +435,10 @@ gqa_fwd_kernel(const GqaParams p) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const float inv = 1.f / l[i];
-        const int64_t R = r0 + wrow + gid + 8 * i;
+        const int R = r0 + wrow + gid + 8 * i;
         if (R >= rows_total) continue;
-        const int64_t t = R / G;
-        Elem* dst = o_base + t * p.o_stride_t + (R - t * G) * p.o_stride_h;
+        const int t = R / G;
+        Elem* dst = o_base + int64_t(t) * p.o_stride_t + int64_t(R - t * G) * p.o_stride_h;
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
             const int c = d * 8 + 2 * tig;

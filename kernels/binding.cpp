@@ -58,7 +58,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
     GQA_CHECK_ARG(q.is_cuda(), "q must be a CUDA tensor for this op, got ", q.device());
     GQA_CHECK_ARG(q.size(3) >= 1 && q.size(3) <= kGqaMaxHeadDim, "head_dim D (q.shape[3]) must be in 1..",
                   kGqaMaxHeadDim, ", got ", q.size(3));
-    GQA_CHECK_ARG(q.size(1) <= INT32_MAX / q.size(2) && q.size(0) <= INT32_MAX,
+    GQA_CHECK_ARG(q.size(2) == 0 || (q.size(1) <= INT32_MAX / q.size(2) && q.size(0) <= INT32_MAX),
                   "q is too large: B and T * Hq must each fit in 32 bits");
 }
 
@@ -118,7 +118,7 @@ at::Tensor empty_call_cuda(const at::Tensor& q, const at::Tensor& k, const at::T
 at::Tensor causal_attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
     TORCH_CHECK(!(c10::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad())),
                 "causal_gqa_attention: backward is not supported yet, but an input requires grad. "
-                "Call it under torch.no_grad() or pass detached tensors.");
+                "Call it under torch.no_grad() or give it detached tensors.");
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     static const auto op = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("gqa_attn::causal_attention", "")
