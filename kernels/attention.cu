@@ -34,20 +34,20 @@ namespace {
 // Tile configuration, one place. DP is the compiled head_dim width (D is zero-padded up to it).
 // KW is the number of warps that split one K/V tile between them (in-CTA split of the key range).
 //  - KW = 1, "long": 4 warps own 64 query rows and walk the keys together.
-//  - KW = 4, "short": 4 warps own the same 16 rows, each takes a quarter of every K/V tile, and
-//    the four partial softmax states are merged at the end. A short sequence then has a 4x
-//    shorter critical path per CTA and 4x more CTAs to spread over the SMs.
+//  - KW = 8, "short": 8 warps own the same 16 rows, each takes an eighth of every K/V tile, and
+//    the partial softmax states are merged at the end. A short sequence then has a much shorter
+//    critical path per CTA and 4x more CTAs to spread over the SMs.
 template <int DP, int KW> struct TileShape;
 template <> struct TileShape<32, 1>  { static constexpr int kBlockN = 64; };
 template <> struct TileShape<64, 1>  { static constexpr int kBlockN = 64; };
 template <> struct TileShape<128, 1> { static constexpr int kBlockN = 32; };
 template <> struct TileShape<256, 1> { static constexpr int kBlockN = 32; };
-template <> struct TileShape<32, 4>  { static constexpr int kBlockN = 32; };
-template <> struct TileShape<64, 4>  { static constexpr int kBlockN = 32; };
-template <> struct TileShape<128, 4> { static constexpr int kBlockN = 8; };
+template <> struct TileShape<32, 8>  { static constexpr int kBlockN = 16; };
+template <> struct TileShape<64, 8>  { static constexpr int kBlockN = 16; };
+template <> struct TileShape<128, 8> { static constexpr int kBlockN = 8; };
 
 template <int DP, int KW> struct TileTraits {
-    static constexpr int kWarps = 4;
+    static constexpr int kWarps = KW == 1 ? 4 : KW;
     static constexpr int kRowWarps = kWarps / KW;        // warps stacked along the query rows
     static constexpr int kThreads = 32 * kWarps;
     static constexpr int kBlockM = 16 * kRowWarps;       // query rows per CTA: 16 per row warp
@@ -148,19 +148,19 @@ template <> __device__ __forceinline__ float from_float<float>(float x) { return
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
-// Copies ROWS rows of D elements into fp32 shared memory, row pitch kLd, zero-filling columns
-// D..DP-1 and rows whose pointer is null (past the end of the sequence): zeros there keep the
-// padded products exact and keep garbage out of P.V.
+// Copies the first `rows` (<= ROWS) rows of D elements into fp32 shared memory, row pitch kLd,
+// zero-filling columns D..DP-1 and rows whose pointer is null (past the end of the sequence):
+// zeros there keep the padded products exact and keep garbage out of P.V.
 // fp32 goes through cp.async (16 bytes when every row start is 16-byte aligned, else 4);
 // half types are loaded, widened and stored synchronously.
 template <typename Elem, int DP, int ROWS, int NTHREADS, typename RowPtr>
-__device__ __forceinline__ void load_rows(float* dst, RowPtr row_ptr, const Elem* any_valid, int D, bool vec16) {
+__device__ __forceinline__ void load_rows(float* dst, RowPtr row_ptr, const Elem* any_valid, int rows, int D, bool vec16) {
     constexpr int kLd = DP + 4;
     if constexpr (std::is_same<Elem, float>::value) {
         if (vec16) {
             constexpr int kChunks = DP / 4;
 #pragma unroll 4
-            for (int i = threadIdx.x; i < ROWS * kChunks; i += NTHREADS) {
+            for (int i = threadIdx.x; i < rows * kChunks; i += NTHREADS) {
                 const int r = i / kChunks, c = (i % kChunks) * 4;
                 const float* src = row_ptr(r);
                 const bool ok = src != nullptr && c < D;
@@ -168,7 +168,7 @@ __device__ __forceinline__ void load_rows(float* dst, RowPtr row_ptr, const Elem
             }
         } else {
 #pragma unroll 4
-            for (int i = threadIdx.x; i < ROWS * DP; i += NTHREADS) {
+            for (int i = threadIdx.x; i < rows * DP; i += NTHREADS) {
                 const int r = i / DP, c = i % DP;
                 const float* src = row_ptr(r);
                 const bool ok = src != nullptr && c < D;
@@ -179,7 +179,7 @@ __device__ __forceinline__ void load_rows(float* dst, RowPtr row_ptr, const Elem
         if (vec16) {
             constexpr int kChunks = DP / 8;   // 8 half-precision elements = 16 bytes
 #pragma unroll 2
-            for (int i = threadIdx.x; i < ROWS * kChunks; i += NTHREADS) {
+            for (int i = threadIdx.x; i < rows * kChunks; i += NTHREADS) {
                 const int r = i / kChunks, c = (i % kChunks) * 8;
                 const Elem* src = row_ptr(r);
                 float4 lo = make_float4(0.f, 0.f, 0.f, 0.f), hi = lo;
@@ -193,7 +193,7 @@ __device__ __forceinline__ void load_rows(float* dst, RowPtr row_ptr, const Elem
                 *reinterpret_cast<float4*>(dst + r * kLd + c + 4) = hi;
             }
         } else {
-            for (int i = threadIdx.x; i < ROWS * DP; i += NTHREADS) {
+            for (int i = threadIdx.x; i < rows * DP; i += NTHREADS) {
                 const int r = i / DP, c = i % DP;
                 const Elem* src = row_ptr(r);
                 dst[r * kLd + c] = (src != nullptr && c < D) ? to_float(src[c]) : 0.f;
@@ -245,11 +245,13 @@ gqa_fwd_kernel(const GqaParams p) {
         const int n0 = tile * TK;
         auto k_row = [&](int r) -> const Elem* { return n0 + r < T ? k_base + int64_t(n0 + r) * p.k_stride_t : nullptr; };
         auto v_row = [&](int r) -> const Elem* { return n0 + r < T ? v_base + int64_t(n0 + r) * p.v_stride_t : nullptr; };
-        load_rows<Elem, DP, TK, NT>(sK + stage * TK * LD, k_row, k_base, p.D, p.vec16);
-        load_rows<Elem, DP, TK, NT>(sV + stage * TK * LD, v_row, v_base, p.D, p.vec16);
+        // Keys past t_hi are read by no warp, except the zero-filled tail of the last warp slice.
+        const int rows = min(TK, (t_hi + 1 - n0 + BN - 1) / BN * BN);
+        load_rows<Elem, DP, TK, NT>(sK + stage * TK * LD, k_row, k_base, rows, p.D, p.vec16);
+        load_rows<Elem, DP, TK, NT>(sV + stage * TK * LD, v_row, v_base, rows, p.D, p.vec16);
     };
 
-    load_rows<Elem, DP, BM, NT>(sQ, q_row, q_base, p.D, p.vec16);
+    load_rows<Elem, DP, BM, NT>(sQ, q_row, q_base, BM, p.D, p.vec16);
     load_kv(0, 0);
     cp_async_commit();
 
@@ -484,12 +486,12 @@ cudaError_t launch(const GqaParams& p, cudaStream_t stream, int dev) {
 }
 
 // Long sequences walk the keys with 4 row warps; when that leaves the GPU with less than one CTA
-// per SM, the key-split variant trades rows per CTA for 4x shorter key walks.
+// per SM, the key-split variant trades rows per CTA for 8x shorter key walks.
 template <typename Elem, int DP>
 cudaError_t launch_best(const GqaParams& p, cudaStream_t stream, int dev) {
     if constexpr (DP <= 128) {
         const int64_t long_blocks = (int64_t(p.T) * p.group + 63) / 64 * p.B * p.Hkv;
-        if (long_blocks < sm_count(dev)) return launch<Elem, DP, 4>(p, stream, dev);
+        if (long_blocks < sm_count(dev)) return launch<Elem, DP, 8>(p, stream, dev);
     }
     return launch<Elem, DP, 1>(p, stream, dev);
 }
