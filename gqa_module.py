@@ -171,16 +171,23 @@ def load_extension():
 
 
 def _register_fake():
-    """Shape-only implementations, so torch.compile and FakeTensor tracing see through the ops."""
+    """Shape-only implementations, so torch.compile and FakeTensor tracing see through the ops.
+
+    Once per process: a bundle exec'd beside this module shares the same loaded library."""
+    namespace = getattr(torch.ops, _LIBRARY)
+    if getattr(namespace, "_gqa_fake_registered", False):
+        return
+
     def like_query(q, k, v):
         return q.new_empty(q.shape)
 
     torch.library.register_fake("%s::causal_attention" % _LIBRARY)(like_query)
     torch.library.register_fake("%s::empty_call" % _LIBRARY)(like_query)
+    namespace._gqa_fake_registered = True
 
 
 # ------------------------------------------------------------------------------------------------
-# Validation for the PyTorch path (the CUDA op checks the same rules in binding.cpp)
+# Validation, before either path runs. binding.cpp checks the same rules for direct op callers.
 def _check_inputs(q, k, v):
     for arg, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -216,7 +223,6 @@ def _check_inputs(q, k, v):
 
 def _attention_torch(q, k, v):
     """The same function through PyTorch, for tensors that are not on a CUDA device."""
-    _check_inputs(q, k, v)
     if q.numel() == 0:
         return q.new_empty(q.shape)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
@@ -243,7 +249,8 @@ _forward_op._dynamo_marked_constant = True
 
 def causal_gqa_attention(q, k, v):
     """Causal GQA: q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq, D] in q's dtype."""
-    if isinstance(q, torch.Tensor) and q.is_cuda:
+    _check_inputs(q, k, v)
+    if q.is_cuda:
         op = _FORWARD if _FORWARD is not None else _forward_op()
         return op(q, k, v)
     return _attention_torch(q, k, v)

@@ -55,6 +55,15 @@ def causal_gqa_reference(q, k, v):
     q64, k64, v64 = q.double(), k.double(), v.double()
     out = torch.empty(B, T, Hq, D, dtype=torch.float64, device=q.device)
     future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    if not torch.isfinite(v64).all():
+        # A product 0 * inf or 0 * nan with a masked future value would poison rows that never
+        # attend to it; sum over the attended keys only, as the loops do.
+        for h in range(Hq):
+            kv = h // group
+            for t in range(T):
+                s = torch.einsum("bd,bsd->bs", q64[:, t, h], k64[:, : t + 1, kv]) / math.sqrt(D)
+                out[:, t, h] = torch.einsum("bs,bsd->bd", torch.softmax(s, dim=-1), v64[:, : t + 1, kv])
+        return out
     for h in range(Hq):
         kv = h // group
         scores = torch.einsum("btd,bsd->bts", q64[:, :, h], k64[:, :, kv]) / math.sqrt(D)

@@ -202,6 +202,27 @@ __device__ __forceinline__ void load_rows(float* dst, RowPtr row_ptr, const Elem
     }
 }
 
+// True if any value this thread copied with load_rows (same arguments, same thread mapping) is
+// not finite. Reading back only its own copies needs no barrier: cp.async.wait_group (or the
+// plain stores of the half-precision path) already made them visible to this thread.
+template <typename Elem, int DP, int NTHREADS>
+__device__ __forceinline__ bool own_copies_nonfinite(const float* dst, int rows, bool vec16) {
+    constexpr int kLd = DP + 4;
+    constexpr int kWidth = std::is_same<Elem, float>::value ? 4 : 8;   // elements per 16-byte copy
+    bool bad = false;
+    if (vec16) {
+        constexpr int kChunks = DP / kWidth;
+        for (int i = threadIdx.x; i < rows * kChunks; i += NTHREADS) {
+            const float* x = dst + (i / kChunks) * kLd + (i % kChunks) * kWidth;
+#pragma unroll
+            for (int e = 0; e < kWidth; ++e) bad |= !isfinite(x[e]);
+        }
+    } else {
+        for (int i = threadIdx.x; i < rows * DP; i += NTHREADS) bad |= !isfinite(dst[(i / DP) * kLd + i % DP]);
+    }
+    return bad;
+}
+
 // ---------------------------------------------------------------------------------------------
 template <typename Elem, int DP, int KW>
 __global__ void __launch_bounds__(TileTraits<DP, KW>::kThreads)
@@ -241,12 +262,13 @@ gqa_fwd_kernel(const GqaParams p) {
         const int t = R / G;
         return q_base + int64_t(t) * p.q_stride_t + int64_t(R - t * G) * p.q_stride_h;
     };
+    // Keys past t_hi are read by no warp, except the zero-filled tail of the last warp slice.
+    auto kv_rows = [&](int tile) { return min(TK, (t_hi + 1 - tile * TK + BN - 1) / BN * BN); };
     auto load_kv = [&](int tile, int stage) {
         const int n0 = tile * TK;
         auto k_row = [&](int r) -> const Elem* { return n0 + r < T ? k_base + int64_t(n0 + r) * p.k_stride_t : nullptr; };
         auto v_row = [&](int r) -> const Elem* { return n0 + r < T ? v_base + int64_t(n0 + r) * p.v_stride_t : nullptr; };
-        // Keys past t_hi are read by no warp, except the zero-filled tail of the last warp slice.
-        const int rows = min(TK, (t_hi + 1 - n0 + BN - 1) / BN * BN);
+        const int rows = kv_rows(tile);
         load_rows<Elem, DP, TK, NT>(sK + stage * TK * LD, k_row, k_base, rows, p.D, p.vec16);
         load_rows<Elem, DP, TK, NT>(sV + stage * TK * LD, v_row, v_base, rows, p.D, p.vec16);
     };
@@ -271,7 +293,7 @@ gqa_fwd_kernel(const GqaParams p) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) row_t[i] = (r0 + wrow + gid + 8 * i) / G;
     const int warp_t_lo = (r0 + wrow) / G;
-    const int warp_t_hi = (r0 + wrow + 15) / G;
+    const int warp_t_hi = min((r0 + wrow + 15) / G, T - 1);   // rows past T are padding
 
     float o[kDTiles][4];
 #pragma unroll
@@ -287,7 +309,11 @@ gqa_fwd_kernel(const GqaParams p) {
         } else {
             cp_async_wait<0>();
         }
-        __syncthreads();
+        // Inf or NaN anywhere in this K/V tile sends the whole CTA down the exact scalar path below
+        // for it, so that a non-finite value reaches exactly the rows that attend to it.
+        const bool tile_bad = own_copies_nonfinite<Elem, DP, NT>(sK + (n & 1) * TK * LD, kv_rows(n), p.vec16) ||
+                              own_copies_nonfinite<Elem, DP, NT>(sV + (n & 1) * TK * LD, kv_rows(n), p.vec16);
+        const bool nonfinite = __syncthreads_or(tile_bad);
         const int key0 = n * TK + wkey;   // first key of this warp's slice of the tile
         if (key0 > warp_t_hi) {           // every key of the slice is in the future of every row
             __syncthreads();
@@ -300,7 +326,21 @@ gqa_fwd_kernel(const GqaParams p) {
         float s[kNTiles][4];
 #pragma unroll
         for (int j = 0; j < kNTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-        for (int kk = 0; kk < ksteps; ++kk) {
+        if (nonfinite) {
+            // Plain fp32 dot products: an infinite k gives +-inf scores as in the reference rather
+            // than the NaN that inf - tf32(inf) would give.
+#pragma unroll
+            for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float* qr = sQ + (wrow + gid + 8 * (e >> 1)) * LD;
+                    const float* kr = Kt + (j * 8 + 2 * tig + (e & 1)) * LD;
+                    float acc = 0.f;
+                    for (int c = 0; c < p.D; ++c) acc = fmaf(qr[c], kr[c], acc);
+                    s[j][e] = acc;
+                }
+        }
+        for (int kk = 0; kk < (nonfinite ? 0 : ksteps); ++kk) {
             const float* qa = sQ + (wrow + gid) * LD + kk * 8 + tig;
             uint32_t a_big[4], a_small[4];
             split_tf32(qa[0], a_big[0], a_small[0]);
@@ -354,6 +394,31 @@ gqa_fwd_kernel(const GqaParams p) {
                 s[j][2 * i + 1] = fast_exp2(fmaf(s[j][2 * i + 1], scale_log2, -m_ref));
                 l[i] += s[j][2 * i] + s[j][2 * i + 1];
             }
+        }
+
+        if (nonfinite) {
+            // O += P V over the attended keys only: a masked key's 0 * inf or 0 * NaN never happens.
+            // p for (row, key) lives in the quad lane that holds the key's column of S.
+#pragma unroll
+            for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+                for (int kk8 = 0; kk8 < 8; ++kk8) {
+                    const int key = key0 + j * 8 + kk8;
+                    const float* vr = Vt + (j * 8 + kk8) * LD + 2 * tig;
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        const float pk = __shfl_sync(0xffffffffu, s[j][(kk8 & 1) + 2 * i], (lane & ~3) | (kk8 >> 1));
+                        if (key > row_t[i]) continue;
+#pragma unroll
+                        for (int d = 0; d < kDTiles; ++d) {
+                            if (d >= ksteps) break;
+                            o[d][2 * i] = fmaf(pk, vr[d * 8], o[d][2 * i]);
+                            o[d][2 * i + 1] = fmaf(pk, vr[d * 8 + 1], o[d][2 * i + 1]);
+                        }
+                    }
+                }
+            __syncthreads();
+            continue;
         }
 
         // O += P V. The accumulator layout of S is reused as the A operand by reading the k index
