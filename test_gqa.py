@@ -159,13 +159,18 @@ def test_reference_float64_nonfinite_values_follow_the_loops():
 N_BAD_CPU = len(bad_inputs("cpu"))
 
 
-@pytest.mark.parametrize("case", range(N_BAD_CPU))
-def test_cpu_bad_inputs_raise(case):
-    name, q, k, v, words = bad_inputs("cpu")[case]
+def assert_rejected(device, case):
+    """Bad case `case` raises a ValueError whose message names the argument and the rule."""
+    name, q, k, v, words = bad_inputs(device)[case]
     with pytest.raises(ValueError) as info:
         gqa_module.causal_gqa_attention(q, k, v)
     for word in words:
         assert word in str(info.value), (name, str(info.value))
+
+
+@pytest.mark.parametrize("case", range(N_BAD_CPU))
+def test_cpu_bad_inputs_raise(case):
+    assert_rejected("cpu", case)
 
 
 def test_cpu_empty_inputs():
@@ -306,11 +311,7 @@ def test_gpu_repeated_calls_are_bitwise_equal():
 @needs_gpu
 @pytest.mark.parametrize("case", range(N_BAD_CPU + 1))
 def test_gpu_bad_inputs_raise_and_module_keeps_working(case):
-    name, q, k, v, words = bad_inputs("cuda")[case]
-    with pytest.raises(ValueError) as info:
-        gqa_module.causal_gqa_attention(q, k, v)
-    for word in words:
-        assert word in str(info.value), (name, str(info.value))
+    assert_rejected("cuda", case)
     good = make_qkv(1, 33, 4, 2, 16, device="cuda")
     check_fp32(gqa_module.causal_gqa_attention(*good), *good, "after error")
 
