@@ -97,6 +97,15 @@ def test_first_calls_from_two_threads_compile_once(tmp_path):
     assert run.stderr.count("compiling the CUDA kernel") == 1, run.stderr[-3000:]
 
 
+def test_missing_toolkit_error_names_nvcc_and_cuda_home(monkeypatch):
+    """With no toolkit anywhere, the build fails fast and tells the user what to set."""
+    real_isfile = os.path.isfile
+    monkeypatch.setattr(os.path, "isfile", lambda p: False if p.endswith(("nvcc", "cuda_runtime.h")) else real_isfile(p))
+    with pytest.raises(RuntimeError) as info:
+        gqa_module._cuda_home()
+    assert "nvcc" in str(info.value) and "CUDA_HOME" in str(info.value)
+
+
 CPU_GRID = [(1, 1, 1, 1, 1), (2, 2, 8, 2, 32), (1, 63, 6, 3, 40), (3, 65, 7, 1, 17), (1, 80, 8, 8, 64),
             (2, 127, 4, 2, 3), (1, 200, 32, 8, 16)]
 
