@@ -21,7 +21,6 @@ The output is ``[B, T, Hq, D]``, contiguous, in q's dtype. CUDA inputs run the k
 
 import fcntl
 import hashlib
-import math
 import os
 import sys
 import time
@@ -132,7 +131,6 @@ def load_extension():
 
     home = _cuda_home()
     cpp_extension.CUDA_HOME = home
-    os.environ.setdefault("CUDA_HOME", home)
     arch, arch_tag = _arch_flags()
     files = _read_kernel_files()
     header = files[_HEADER].decode()
