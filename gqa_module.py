@@ -185,7 +185,8 @@ def _register_fake():
 
 
 # ------------------------------------------------------------------------------------------------
-# Validation, before either path runs. binding.cpp checks the same rules for direct op callers.
+# Validation for the PyTorch path. CUDA inputs are checked by binding.cpp, with the same messages,
+# so the kernel path does no Python work per call.
 def _check_inputs(q, k, v):
     for arg, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -247,10 +248,10 @@ _forward_op._dynamo_marked_constant = True
 
 def causal_gqa_attention(q, k, v):
     """Causal GQA: q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq, D] in q's dtype."""
-    _check_inputs(q, k, v)
-    if q.is_cuda:
+    if isinstance(q, torch.Tensor) and q.is_cuda:
         op = _FORWARD if _FORWARD is not None else _forward_op()
         return op(q, k, v)
+    _check_inputs(q, k, v)
     return _attention_torch(q, k, v)
 
 

@@ -15,12 +15,23 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <string>
 
 #include "gqa_params.h"
 
 namespace {
 
 #define GQA_CHECK_ARG(cond, ...) TORCH_CHECK_VALUE(cond, "causal_gqa_attention: ", __VA_ARGS__)
+
+// Numbers in messages are formatted with std::to_string, never with an ostream: on the H200 test
+// machine, formatting an integer through a std::ostringstream in this library crashed the process
+// (segmentation fault) instead of raising, while string and dtype pieces were fine.
+std::string num(int64_t x) { return std::to_string(x); }
+std::string dims(at::IntArrayRef sizes) {
+    std::string s = "[";
+    for (size_t i = 0; i < sizes.size(); ++i) s += (i ? ", " : "") + std::to_string(sizes[i]);
+    return s + "]";
+}
 
 int dtype_code(c10::ScalarType t) {
     switch (t) {
@@ -33,31 +44,31 @@ int dtype_code(c10::ScalarType t) {
 
 // The rules, in the order a user would want to hear about them. Each message names the argument.
 void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-    GQA_CHECK_ARG(q.dim() == 4, "q must be 4-D [B, T, Hq, D], got a ", q.dim(), "-D tensor");
-    GQA_CHECK_ARG(k.dim() == 4, "k must be 4-D [B, T, Hkv, D], got a ", k.dim(), "-D tensor");
-    GQA_CHECK_ARG(v.dim() == 4, "v must be 4-D [B, T, Hkv, D], got a ", v.dim(), "-D tensor");
-    GQA_CHECK_ARG(k.sizes() == v.sizes(), "k and v must have the same shape, got k ", k.sizes(), " and v ",
-                  v.sizes());
-    GQA_CHECK_ARG(k.size(0) == q.size(0), "k must have q's batch size B (dim 0): q has ", q.size(0), ", k has ",
-                  k.size(0));
-    GQA_CHECK_ARG(k.size(1) == q.size(1), "k must have q's sequence length T (dim 1): q has ", q.size(1),
-                  ", k has ", k.size(1));
-    GQA_CHECK_ARG(k.size(3) == q.size(3), "k must have q's head_dim D (dim 3): q has ", q.size(3), ", k has ",
-                  k.size(3));
-    GQA_CHECK_ARG(k.size(2) >= 1, "k must have at least one kv head (dim 2), got ", k.size(2));
-    GQA_CHECK_ARG(q.size(2) % k.size(2) == 0, "q's head count Hq (dim 2, ", q.size(2),
-                  ") must be a multiple of k's head count Hkv (dim 2, ", k.size(2), ")");
+    GQA_CHECK_ARG(q.dim() == 4, "q must be 4-D [B, T, Hq, D], got a ", num(q.dim()), "-D tensor");
+    GQA_CHECK_ARG(k.dim() == 4, "k must be 4-D [B, T, Hkv, D], got a ", num(k.dim()), "-D tensor");
+    GQA_CHECK_ARG(v.dim() == 4, "v must be 4-D [B, T, Hkv, D], got a ", num(v.dim()), "-D tensor");
+    GQA_CHECK_ARG(k.sizes() == v.sizes(), "k and v must have the same shape, got k ", dims(k.sizes()), " and v ",
+                  dims(v.sizes()));
+    GQA_CHECK_ARG(k.size(0) == q.size(0), "k must have q's batch size B (dim 0): q has ", num(q.size(0)),
+                  ", k has ", num(k.size(0)));
+    GQA_CHECK_ARG(k.size(1) == q.size(1), "k must have q's sequence length T (dim 1): q has ", num(q.size(1)),
+                  ", k has ", num(k.size(1)));
+    GQA_CHECK_ARG(k.size(3) == q.size(3), "k must have q's head_dim D (dim 3): q has ", num(q.size(3)),
+                  ", k has ", num(k.size(3)));
+    GQA_CHECK_ARG(k.size(2) >= 1, "k must have at least one kv head (dim 2), got ", num(k.size(2)));
+    GQA_CHECK_ARG(q.size(2) % k.size(2) == 0, "q's head count Hq (dim 2, ", num(q.size(2)),
+                  ") must be a multiple of k's head count Hkv (dim 2, ", num(k.size(2)), ")");
     GQA_CHECK_ARG(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
-                  "q, k and v must share one dtype, got q ", q.scalar_type(), ", k ", k.scalar_type(), ", v ",
-                  v.scalar_type());
-    GQA_CHECK_ARG(dtype_code(q.scalar_type()) >= 0, "q has unsupported dtype ", q.scalar_type(),
+                  "q, k and v must share one dtype, got q ", c10::toString(q.scalar_type()), ", k ",
+                  c10::toString(k.scalar_type()), ", v ", c10::toString(v.scalar_type()));
+    GQA_CHECK_ARG(dtype_code(q.scalar_type()) >= 0, "q has unsupported dtype ", c10::toString(q.scalar_type()),
                   ": expected float32, float16 or bfloat16");
     GQA_CHECK_ARG(q.device() == k.device() && q.device() == v.device(),
-                  "q, k and v must be on the same device, got q ", q.device(), ", k ", k.device(), ", v ",
-                  v.device());
-    GQA_CHECK_ARG(q.is_cuda(), "q must be a CUDA tensor for this op, got ", q.device());
+                  "q, k and v must be on the same device, got q ", q.device().str(), ", k ", k.device().str(),
+                  ", v ", v.device().str());
+    GQA_CHECK_ARG(q.is_cuda(), "q must be a CUDA tensor for this op, got ", q.device().str());
     GQA_CHECK_ARG(q.size(3) >= 1 && q.size(3) <= kGqaMaxHeadDim, "head_dim D (q.shape[3]) must be in 1..",
-                  kGqaMaxHeadDim, ", got ", q.size(3));
+                  num(kGqaMaxHeadDim), ", got ", num(q.size(3)));
     GQA_CHECK_ARG(q.size(2) == 0 || (q.size(1) <= INT32_MAX / q.size(2) && q.size(0) <= INT32_MAX),
                   "q is too large: B and T * Hq must each fit in 32 bits");
 }
