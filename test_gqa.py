@@ -344,7 +344,7 @@ def test_gpu_empty_inputs():
 
 
 @needs_gpu
-@pytest.mark.parametrize("T,D", [(70, 32), (300, 128), (90, 20)])
+@pytest.mark.parametrize("T,D", [(70, 32), (300, 128), (90, 20), (4300, 64)])
 def test_gpu_nan_and_inf_propagate_like_reference(T, D):
     """A non-finite value reaches exactly the rows that attend to it, as in reference.Model."""
     q, k, v = make_qkv(1, T, 4, 2, D, device="cuda")

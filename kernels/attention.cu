@@ -17,12 +17,17 @@
 // TF32 (torch.backends.cuda.matmul.allow_tf32), only big*big is issued. fp16 and bf16 inputs are
 // exact in TF32: QK^T needs one product, and PV two (P itself is fp32).
 //
-// The operand element type (float, half, bfloat16) is a template parameter of the loaders only:
-// shared memory and all arithmetic are fp32.
+// The operand element type is a template parameter of the loaders only (float, or 16-bit storage
+// whose fp16/bf16 kind is a run-time flag): shared memory and all arithmetic are fp32.
+//
+// Short sequences (T <= kRowwiseMaxT) and head dims too small for a tensor-core tile go to a
+// row-wise fp32 FMA kernel instead (gqa_rowwise_kernel, below): there the cost is latency, not
+// arithmetic. dispatch() is the one place that chooses.
 
 #include <cuda_runtime.h>
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -138,15 +143,20 @@ __device__ __forceinline__ void mma_terms(Acc acc, const uint32_t (&a_big)[4], c
     for (int n = 0; n < N; ++n) mma_tf32(acc(n), a_big, b_big[n]);
 }
 
-template <typename Elem> __device__ __forceinline__ float to_float(Elem x);
-template <> __device__ __forceinline__ float to_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
-template <> __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+// Element I/O. fp32 is one instantiation; fp16 and bf16 share the other, as raw 16-bit storage
+// whose kind is a run-time flag (uniform across the grid), which halves the kernels to compile.
+using Half16 = uint16_t;
 
-template <typename Elem> __device__ __forceinline__ Elem from_float(float x);
-template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+__device__ __forceinline__ float to_float(float x, bool) { return x; }
+__device__ __forceinline__ float to_float(Half16 x, bool bf16) {
+    return bf16 ? __uint_as_float(uint32_t(x) << 16) : __half2float(__ushort_as_half(x));
+}
+
+template <typename Elem> __device__ __forceinline__ Elem from_float(float x, bool bf16);
+template <> __device__ __forceinline__ float from_float<float>(float x, bool) { return x; }
+template <> __device__ __forceinline__ Half16 from_float<Half16>(float x, bool bf16) {
+    return bf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(x)) : __half_as_ushort(__float2half_rn(x));
+}
 
 // Copies the first `rows` (<= ROWS) rows of D elements into fp32 shared memory, row pitch kLd,
 // zero-filling columns D..DP-1 and rows whose pointer is null (past the end of the sequence):
@@ -154,7 +164,8 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 // fp32 goes through cp.async (16 bytes when every row start is 16-byte aligned, else 4);
 // half types are loaded, widened and stored synchronously.
 template <typename Elem, int DP, int ROWS, int NTHREADS, typename RowPtr>
-__device__ __forceinline__ void load_rows(float* dst, RowPtr row_ptr, const Elem* any_valid, int rows, int D, bool vec16) {
+__device__ __forceinline__ void load_rows(float* dst, RowPtr row_ptr, const Elem* any_valid, int rows, int D, bool vec16,
+                                          bool bf16) {
     constexpr int kLd = DP + 4;
     if constexpr (std::is_same<Elem, float>::value) {
         if (vec16) {
@@ -186,8 +197,10 @@ __device__ __forceinline__ void load_rows(float* dst, RowPtr row_ptr, const Elem
                 if (src != nullptr && c < D) {
                     const uint4 raw = *reinterpret_cast<const uint4*>(src + c);
                     const Elem* e = reinterpret_cast<const Elem*>(&raw);
-                    lo = make_float4(to_float(e[0]), to_float(e[1]), to_float(e[2]), to_float(e[3]));
-                    hi = make_float4(to_float(e[4]), to_float(e[5]), to_float(e[6]), to_float(e[7]));
+                    lo = make_float4(to_float(e[0], bf16), to_float(e[1], bf16), to_float(e[2], bf16),
+                                     to_float(e[3], bf16));
+                    hi = make_float4(to_float(e[4], bf16), to_float(e[5], bf16), to_float(e[6], bf16),
+                                     to_float(e[7], bf16));
                 }
                 *reinterpret_cast<float4*>(dst + r * kLd + c) = lo;
                 *reinterpret_cast<float4*>(dst + r * kLd + c + 4) = hi;
@@ -196,7 +209,7 @@ __device__ __forceinline__ void load_rows(float* dst, RowPtr row_ptr, const Elem
             for (int i = threadIdx.x; i < rows * DP; i += NTHREADS) {
                 const int r = i / DP, c = i % DP;
                 const Elem* src = row_ptr(r);
-                dst[r * kLd + c] = (src != nullptr && c < D) ? to_float(src[c]) : 0.f;
+                dst[r * kLd + c] = (src != nullptr && c < D) ? to_float(src[c], bf16) : 0.f;
             }
         }
     }
@@ -252,6 +265,7 @@ gqa_fwd_kernel(const GqaParams p) {
     const int t_hi = min((r0 + BM - 1) / G, T - 1);
     const int n_kv = t_hi / TK + 1;            // K/V tiles this CTA visits
 
+    const bool bf16 = p.dtype == kGqaBFloat16;   // Half16 storage: bf16 or fp16
     const Elem* q_base = static_cast<const Elem*>(p.q) + b * p.q_stride_b + int64_t(kvh) * G * p.q_stride_h;
     const Elem* k_base = static_cast<const Elem*>(p.k) + b * p.k_stride_b + kvh * p.k_stride_h;
     const Elem* v_base = static_cast<const Elem*>(p.v) + b * p.v_stride_b + kvh * p.v_stride_h;
@@ -269,11 +283,11 @@ gqa_fwd_kernel(const GqaParams p) {
         auto k_row = [&](int r) -> const Elem* { return n0 + r < T ? k_base + int64_t(n0 + r) * p.k_stride_t : nullptr; };
         auto v_row = [&](int r) -> const Elem* { return n0 + r < T ? v_base + int64_t(n0 + r) * p.v_stride_t : nullptr; };
         const int rows = kv_rows(tile);
-        load_rows<Elem, DP, TK, NT>(sK + stage * TK * LD, k_row, k_base, rows, p.D, p.vec16);
-        load_rows<Elem, DP, TK, NT>(sV + stage * TK * LD, v_row, v_base, rows, p.D, p.vec16);
+        load_rows<Elem, DP, TK, NT>(sK + stage * TK * LD, k_row, k_base, rows, p.D, p.vec16, bf16);
+        load_rows<Elem, DP, TK, NT>(sV + stage * TK * LD, v_row, v_base, rows, p.D, p.vec16, bf16);
     };
 
-    load_rows<Elem, DP, BM, NT>(sQ, q_row, q_base, BM, p.D, p.vec16);
+    load_rows<Elem, DP, BM, NT>(sQ, q_row, q_base, BM, p.D, p.vec16, bf16);
     load_kv(0, 0);
     cp_async_commit();
 
@@ -283,7 +297,7 @@ gqa_fwd_kernel(const GqaParams p) {
     const int wkey = (warp / Tr::kRowWarps) * BN;   // the warp's first key in each K/V tile
     const int ksteps = (p.D + 7) / 8;            // k-steps that touch real columns
     // fp16 and bf16 values are exact in TF32, so their products need fewer terms; P is fp32.
-    constexpr bool kHalfIn = !std::is_same<Elem, float>::value;
+    constexpr bool kHalfIn = std::is_same<Elem, Half16>::value;
     const int qk_terms = (kHalfIn || p.tf32_single) ? 1 : 3;
     const int pv_terms = p.tf32_single ? 1 : (kHalfIn ? 2 : 3);
     const float scale_log2 = p.scale_log2;
@@ -328,17 +342,21 @@ gqa_fwd_kernel(const GqaParams p) {
         for (int j = 0; j < kNTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
         if (nonfinite) {
             // Plain fp32 dot products: an infinite k gives +-inf scores as in the reference rather
-            // than the NaN that inf - tf32(inf) would give.
+            // than the NaN that inf - tf32(inf) would give. Rolled loops: this path is rare, and
+            // unrolling it would multiply the code every instantiation compiles.
+#pragma unroll 1
+            for (int je = 0; je < kNTiles * 4; ++je) {
+                const float* qr = sQ + (wrow + gid + 8 * ((je & 3) >> 1)) * LD;
+                const float* kr = Kt + ((je >> 2) * 8 + 2 * tig + (je & 1)) * LD;
+                float acc = 0.f;
+#pragma unroll 1
+                for (int c = 0; c < p.D; ++c) acc = fmaf(qr[c], kr[c], acc);
 #pragma unroll
-            for (int j = 0; j < kNTiles; ++j)
+                for (int j = 0; j < kNTiles; ++j)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float* qr = sQ + (wrow + gid + 8 * (e >> 1)) * LD;
-                    const float* kr = Kt + (j * 8 + 2 * tig + (e & 1)) * LD;
-                    float acc = 0.f;
-                    for (int c = 0; c < p.D; ++c) acc = fmaf(qr[c], kr[c], acc);
-                    s[j][e] = acc;
-                }
+                    for (int e = 0; e < 4; ++e)
+                        if (je == j * 4 + e) s[j][e] = acc;
+            }
         }
         for (int kk = 0; kk < (nonfinite ? 0 : ksteps); ++kk) {
             const float* qa = sQ + (wrow + gid) * LD + kk * 8 + tig;
@@ -398,16 +416,19 @@ gqa_fwd_kernel(const GqaParams p) {
 
         if (nonfinite) {
             // O += P V over the attended keys only: a masked key's 0 * inf or 0 * NaN never happens.
-            // p for (row, key) lives in the quad lane that holds the key's column of S.
+            // p for (row, key) lives in the quad lane that holds the key's column of S. The loop over
+            // the 8 keys of an n-tile stays rolled (code size) and picks its S register by a select.
 #pragma unroll
             for (int j = 0; j < kNTiles; ++j)
-#pragma unroll
+#pragma unroll 1
                 for (int kk8 = 0; kk8 < 8; ++kk8) {
                     const int key = key0 + j * 8 + kk8;
                     const float* vr = Vt + (j * 8 + kk8) * LD + 2 * tig;
+                    const float own0 = (kk8 & 1) ? s[j][1] : s[j][0];
+                    const float own1 = (kk8 & 1) ? s[j][3] : s[j][2];
 #pragma unroll
                     for (int i = 0; i < 2; ++i) {
-                        const float pk = __shfl_sync(0xffffffffu, s[j][(kk8 & 1) + 2 * i], (lane & ~3) | (kk8 >> 1));
+                        const float pk = __shfl_sync(0xffffffffu, i ? own1 : own0, (lane & ~3) | (kk8 >> 1));
                         if (key > row_t[i]) continue;
 #pragma unroll
                         for (int d = 0; d < kDTiles; ++d) {
@@ -423,26 +444,39 @@ gqa_fwd_kernel(const GqaParams p) {
 
         // O += P V. The accumulator layout of S is reused as the A operand by reading the k index
         // kappa of the product as key 2*kappa (kappa < 4) or 2*(kappa-4)+1, and V's rows likewise.
+        // Each tile's P V is summed from zero and then added to O in ordinary fp32: the tensor
+        // core's accumulation does not round to nearest, and feeding it O itself let that bias
+        // grow with the number of keys.
+        uint32_t p_big[kNTiles][4], p_small[kNTiles][4];
 #pragma unroll
         for (int j = 0; j < kNTiles; ++j) {
-            uint32_t a_big[4], a_small[4];
-            split_tf32(s[j][0], a_big[0], a_small[0]);
-            split_tf32(s[j][2], a_big[1], a_small[1]);
-            split_tf32(s[j][1], a_big[2], a_small[2]);
-            split_tf32(s[j][3], a_big[3], a_small[3]);
-            const float* vsrc = Vt + (j * 8 + 2 * tig) * LD + gid;
-            // O's n-tiles in groups of kDGroup, skipping groups wholly in the zero padding.
+            split_tf32(s[j][0], p_big[j][0], p_small[j][0]);
+            split_tf32(s[j][2], p_big[j][1], p_small[j][1]);
+            split_tf32(s[j][1], p_big[j][2], p_small[j][2]);
+            split_tf32(s[j][3], p_big[j][3], p_small[j][3]);
+        }
+        // O's n-tiles in groups of kDGroup, skipping groups wholly in the zero padding.
 #pragma unroll
-            for (int d0 = 0; d0 < kDTiles; d0 += kDGroup) {
-                if (d0 >= ksteps) break;
+        for (int d0 = 0; d0 < kDTiles; d0 += kDGroup) {
+            if (d0 >= ksteps) break;
+            float pv[kDGroup][4];
+#pragma unroll
+            for (int d = 0; d < kDGroup; ++d) pv[d][0] = pv[d][1] = pv[d][2] = pv[d][3] = 0.f;
+#pragma unroll
+            for (int j = 0; j < kNTiles; ++j) {
+                const float* vsrc = Vt + (j * 8 + 2 * tig) * LD + gid;
                 float vb[kDGroup][2];
 #pragma unroll
                 for (int d = 0; d < kDGroup; ++d) {
                     vb[d][0] = vsrc[(d0 + d) * 8];
                     vb[d][1] = vsrc[LD + (d0 + d) * 8];
                 }
-                mma_terms<kDGroup>([&](int n) -> float(&)[4] { return o[d0 + n]; }, a_big, a_small, vb, pv_terms);
+                mma_terms<kDGroup>([&](int n) -> float(&)[4] { return pv[n]; }, p_big[j], p_small[j], vb, pv_terms);
             }
+#pragma unroll
+            for (int d = 0; d < kDGroup; ++d)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) o[d0 + d][e] += pv[d][e];
         }
         __syncthreads();   // the stage is refilled by the next iteration's prefetch
     }
@@ -509,9 +543,203 @@ gqa_fwd_kernel(const GqaParams p) {
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
             const int c = d * 8 + 2 * tig;
-            if (c < p.D) dst[c] = from_float<Elem>(o[d][2 * i] * inv);
-            if (c + 1 < p.D) dst[c + 1] = from_float<Elem>(o[d][2 * i + 1] * inv);
+            if (c < p.D) dst[c] = from_float<Elem>(o[d][2 * i] * inv, bf16);
+            if (c + 1 < p.D) dst[c + 1] = from_float<Elem>(o[d][2 * i + 1] * inv, bf16);
         }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row-wise kernel for short sequences (and tiny head dims): plain fp32 FMA, no tensor cores.
+// There the tiled kernel is bound by latency, not arithmetic: its splits, barriers and merges
+// cost more than the few products a short row needs. Here one warp owns one query row. The CTA
+// loads the keys its rows need into shared memory in one phase (in chunks of kc keys when they do
+// not fit), every load in flight at once; then each warp scores 32 keys at a time, one key per
+// lane, and accumulates P V with one head-dim column per lane, reading the probabilities back
+// from shared memory four at a time. It visits only attended keys, so Inf and NaN follow the
+// reference with no special path.
+constexpr int kRowWarps = 8;                       // warps per CTA, one query row each
+constexpr int kRowsPerCta = kRowWarps;
+constexpr int kColsPerLane = kGqaMaxHeadDim / 32;  // head-dim columns per lane in P V
+constexpr int kRowSmemBudget = 96 * 1024;          // bytes of shared memory per CTA, at most
+
+// Shared-memory layout, in floats. D4 is D rounded up to 4 (rows are read as float4; columns
+// D..D4-1 hold zeros). The q/K pitch is 4 (mod 8), so each 8-lane phase of a float4 read of 8
+// different keys covers all 32 banks once.
+__host__ __device__ constexpr int rowwise_d4(int D) { return (D + 3) & ~3; }
+__host__ __device__ constexpr int rowwise_k_pitch(int D) { return ((D + 7) & ~7) + 4; }
+__host__ __device__ constexpr int rowwise_fixed_floats(int D) { return kRowsPerCta * rowwise_k_pitch(D) + kRowWarps * 32; }
+__host__ __device__ constexpr int rowwise_key_floats(int D) { return rowwise_k_pitch(D) + rowwise_d4(D); }
+
+// Copies `rows` rows (pointer per row; null = past the end, zero-filled) of D elements into fp32
+// shared memory with pitch ld, zero-filling columns D..D4-1. Every copy is issued before any is
+// waited on: fp32 through cp.async (16 bytes when rows are 16-byte aligned), 16-bit types through
+// registers, four loads per thread in flight.
+template <typename Elem, int NT, typename RowPtr>
+__device__ __forceinline__ void rowwise_load(float* dst, int ld, RowPtr row_ptr, int rows, int D, bool vec16,
+                                             bool bf16, const Elem* any_valid) {
+    const int D4 = rowwise_d4(D);
+    if constexpr (std::is_same<Elem, float>::value) {
+        if (vec16) {   // D is a multiple of 4 here
+            const int chunks = D / 4;
+            for (int i = threadIdx.x; i < rows * chunks; i += NT) {
+                const int r = i / chunks, c = (i - r * chunks) * 4;
+                const float* src = row_ptr(r);
+                cp_async16(dst + r * ld + c, src != nullptr ? src + c : any_valid, src != nullptr ? 16 : 0);
+            }
+        } else {
+            for (int i = threadIdx.x; i < rows * D4; i += NT) {
+                const int r = i / D4, c = i - r * D4;
+                const float* src = row_ptr(r);
+                const bool ok = src != nullptr && c < D;
+                cp_async4(dst + r * ld + c, ok ? src + c : any_valid, ok ? 4 : 0);
+            }
+        }
+    } else {
+        for (int i0 = threadIdx.x; i0 < rows * D4; i0 += 4 * NT) {
+            Elem x[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int i = i0 + u * NT, r = i / D4, c = i - r * D4;
+                const Elem* src = i < rows * D4 ? row_ptr(r) : nullptr;
+                x[u] = (src != nullptr && c < D) ? src[c] : Elem(0);
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int i = i0 + u * NT, r = i / D4, c = i - r * D4;
+                if (i < rows * D4) dst[r * ld + c] = to_float(x[u], bf16);
+            }
+        }
+    }
+}
+
+template <typename Elem>
+__global__ void __launch_bounds__(32 * kRowWarps)
+gqa_rowwise_kernel(const GqaParams p, int kc) {
+    constexpr int NT = 32 * kRowWarps;
+    extern __shared__ float4 smem_raw[];
+    const int D = p.D, G = p.group, T = p.T;
+    const int D4 = rowwise_d4(D), kld = rowwise_k_pitch(D);
+    float* sQ = reinterpret_cast<float*>(smem_raw);   // [kRowsPerCta][kld]
+    float* sK = sQ + kRowsPerCta * kld;               // [kc][kld]
+    float* sV = sK + kc * kld;                        // [kc][D4]
+    float* sP = sV + kc * D4;                         // [kRowWarps][32]: each warp's probabilities
+
+    const bool bf16 = p.dtype == kGqaBFloat16;
+    const int bh_count = p.B * p.Hkv;
+    const int rows_total = T * G;
+    const int n_qtiles = (rows_total + kRowsPerCta - 1) / kRowsPerCta;
+    const int qtile = n_qtiles - 1 - int(blockIdx.x / bh_count);   // longest rows first
+    const int bh = int(blockIdx.x % bh_count);
+    const int b = bh / p.Hkv, kvh = bh % p.Hkv;
+    const int r0 = qtile * kRowsPerCta;
+    const int t_hi = min((r0 + kRowsPerCta - 1) / G, T - 1);
+
+    const Elem* q_base = static_cast<const Elem*>(p.q) + b * p.q_stride_b + int64_t(kvh) * G * p.q_stride_h;
+    const Elem* k_base = static_cast<const Elem*>(p.k) + b * p.k_stride_b + kvh * p.k_stride_h;
+    const Elem* v_base = static_cast<const Elem*>(p.v) + b * p.v_stride_b + kvh * p.v_stride_h;
+    auto q_row = [&](int r) -> const Elem* {
+        const int R = r0 + r;
+        if (R >= rows_total) return nullptr;
+        const int t = R / G;
+        return q_base + int64_t(t) * p.q_stride_t + int64_t(R - t * G) * p.q_stride_h;
+    };
+    rowwise_load<Elem, NT>(sQ, kld, q_row, kRowsPerCta, D, p.vec16, bf16, q_base);   // waited on with chunk 0
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int R = r0 + warp;
+    const int t = R < rows_total ? R / G : -1;   // -1: a padding row, attends to nothing
+    const float4* q4 = reinterpret_cast<const float4*>(sQ + warp * kld);
+    float* pw = sP + warp * 32;
+
+    float acc[kColsPerLane];
+#pragma unroll
+    for (int cc = 0; cc < kColsPerLane; ++cc) acc[cc] = 0.f;
+    float m = -INFINITY, l = 0.f;   // running max (log2 units); this lane's share of the sum
+
+    for (int c0 = 0; c0 <= t_hi; c0 += kc) {
+        const int nk = min(kc, t_hi + 1 - c0);
+        if (c0 > 0) __syncthreads();   // every warp is done with the previous chunk
+        auto k_row = [&](int r) -> const Elem* { return k_base + int64_t(c0 + r) * p.k_stride_t; };
+        auto v_row = [&](int r) -> const Elem* { return v_base + int64_t(c0 + r) * p.v_stride_t; };
+        rowwise_load<Elem, NT>(sK, kld, k_row, nk, D, p.vec16, bf16, k_base);
+        rowwise_load<Elem, NT>(sV, D4, v_row, nk, D, p.vec16, bf16, v_base);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+
+        const int n_here = min(nk, t + 1 - c0);   // keys of this chunk the row attends to
+        for (int kb = 0; kb < n_here; kb += 32) {
+            // Scores: lane j takes key c0 + kb + j.
+            const float4* k4 = reinterpret_cast<const float4*>(sK + min(kb + lane, n_here - 1) * kld);
+            float sa = 0.f, sb = 0.f;
+#pragma unroll 4
+            for (int c = 0; c < D4 / 4; ++c) {
+                const float4 a = q4[c], x = k4[c];
+                sa = fmaf(a.x, x.x, sa);
+                sb = fmaf(a.y, x.y, sb);
+                sa = fmaf(a.z, x.z, sa);
+                sb = fmaf(a.w, x.w, sb);
+            }
+            const float s = kb + lane < n_here ? (sa + sb) * p.scale_log2 : -INFINITY;
+            float mx = s;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+            const float m_new = fmaxf(m, mx);
+            const float m_ref = m_new == -INFINITY ? 0.f : m_new;   // nothing attended yet
+            const float alpha = fast_exp2(m - m_ref);
+            m = m_new;
+            const float pr = fast_exp2(s - m_ref);
+            l = l * alpha + pr;
+#pragma unroll
+            for (int cc = 0; cc < kColsPerLane; ++cc) acc[cc] *= alpha;
+            pw[lane] = pr;
+            __syncwarp();
+
+            // P V over this block's attended keys, four probabilities per shared-memory read.
+            const int n_keys = min(32, n_here - kb);
+            const float* vb = sV + kb * D4;
+            int j = 0;
+            for (; j + 4 <= n_keys; j += 4) {
+                const float4 p4 = *reinterpret_cast<const float4*>(pw + j);
+#pragma unroll
+                for (int cc = 0; cc < kColsPerLane; ++cc) {
+                    const int col = lane + 32 * cc;
+                    if (32 * cc >= D) break;
+                    if (col < D) {
+                        const float* vc = vb + j * D4 + col;
+                        float a = acc[cc];
+                        a = fmaf(p4.x, vc[0], a);
+                        a = fmaf(p4.y, vc[D4], a);
+                        a = fmaf(p4.z, vc[2 * D4], a);
+                        a = fmaf(p4.w, vc[3 * D4], a);
+                        acc[cc] = a;
+                    }
+                }
+            }
+            for (; j < n_keys; ++j) {
+                const float pj = pw[j];
+#pragma unroll
+                for (int cc = 0; cc < kColsPerLane; ++cc) {
+                    const int col = lane + 32 * cc;
+                    if (32 * cc >= D) break;
+                    if (col < D) acc[cc] = fmaf(pj, vb[j * D4 + col], acc[cc]);
+                }
+            }
+            __syncwarp();   // pw is rewritten by the next block
+        }
+    }
+
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+    if (t < 0) return;
+    const float inv = 1.f / l;
+    Elem* dst = static_cast<Elem*>(p.o) + b * p.o_stride_b + int64_t(t) * p.o_stride_t +
+                int64_t(kvh * G + (R - t * G)) * p.o_stride_h;
+#pragma unroll
+    for (int cc = 0; cc < kColsPerLane; ++cc) {
+        const int col = lane + 32 * cc;
+        if (col < D) dst[col] = from_float<Elem>(acc[cc] * inv, bf16);
     }
 }
 
@@ -528,21 +756,44 @@ int sm_count(int dev) {
     return count[dev] > 0 ? count[dev] : 132;
 }
 
+// Raise a kernel's dynamic shared-memory limit to `bytes`, once per (kernel, device).
+template <typename Kernel>
+cudaError_t raise_smem_limit(Kernel kernel, size_t bytes, int dev, bool (&raised)[kMaxDevices]) {
+    if (bytes <= 48 * 1024 || (dev < kMaxDevices && raised[dev])) return cudaSuccess;
+    int optin = 0;
+    cudaError_t err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    if (err != cudaSuccess) return err;
+    if (bytes > size_t(optin)) return cudaErrorInvalidConfiguration;
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+    if (err != cudaSuccess) return err;
+    if (dev < kMaxDevices) raised[dev] = true;
+    return cudaSuccess;
+}
+
+template <typename Elem>
+cudaError_t launch_rowwise(const GqaParams& p, cudaStream_t stream, int dev) {
+    static bool raised[kMaxDevices] = {};
+    const int fixed = rowwise_fixed_floats(p.D), per_key = rowwise_key_floats(p.D);
+    // Keys per chunk: the whole sequence when it fits the budget, else the most whole warps of keys that do.
+    const int cap = (kRowSmemBudget / int(sizeof(float)) - fixed) / per_key / 32 * 32;
+    const int kc = std::min((p.T + 31) / 32 * 32, cap);
+    const size_t smem = sizeof(float) * (size_t(fixed) + size_t(kc) * per_key);
+    auto kernel = gqa_rowwise_kernel<Elem>;
+    cudaError_t err = raise_smem_limit(kernel, kRowSmemBudget, dev, raised);
+    if (err != cudaSuccess) return err;
+    const int64_t blocks = (int64_t(p.T) * p.group + kRowsPerCta - 1) / kRowsPerCta * p.B * p.Hkv;
+    if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+    kernel<<<unsigned(blocks), 32 * kRowWarps, smem, stream>>>(p, kc);
+    return cudaGetLastError();
+}
+
 template <typename Elem, int DP, int KW>
 cudaError_t launch(const GqaParams& p, cudaStream_t stream, int dev) {
     using Tr = TileTraits<DP, KW>;
     auto kernel = gqa_fwd_kernel<Elem, DP, KW>;
-    // Raise the dynamic shared-memory limit once per (kernel, device).
     static bool raised[kMaxDevices] = {};
-    if (Tr::kSmemBytes > 48 * 1024 && !(dev < kMaxDevices && raised[dev])) {
-        int optin = 0;
-        cudaError_t err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-        if (err != cudaSuccess) return err;
-        if (Tr::kSmemBytes > size_t(optin)) return cudaErrorInvalidConfiguration;
-        err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Tr::kSmemBytes));
-        if (err != cudaSuccess) return err;
-        if (dev < kMaxDevices) raised[dev] = true;
-    }
+    const cudaError_t err = raise_smem_limit(kernel, Tr::kSmemBytes, dev, raised);
+    if (err != cudaSuccess) return err;
     const int64_t n_qtiles = (int64_t(p.T) * p.group + Tr::kBlockM - 1) / Tr::kBlockM;
     const int64_t blocks = n_qtiles * p.B * p.Hkv;
     if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
@@ -561,12 +812,17 @@ cudaError_t launch_best(const GqaParams& p, cudaStream_t stream, int dev) {
     return launch<Elem, DP, 1>(p, stream, dev);
 }
 
-// The single dispatch: runtime head_dim picks the compiled width.
+// Short sequences, and head dims too small to feed a tensor-core tile, take the row-wise kernel.
+constexpr int kRowwiseMaxT = 128;
+constexpr int kRowwiseMaxD = 8;
+
+// The single dispatch: sequence length and head_dim pick the kernel and its compiled width.
 template <typename Elem>
-cudaError_t dispatch_head_dim(const GqaParams& p, cudaStream_t stream) {
+cudaError_t dispatch(const GqaParams& p, cudaStream_t stream) {
     int dev = 0;
     const cudaError_t err = cudaGetDevice(&dev);
     if (err != cudaSuccess) return err;
+    if (p.T <= kRowwiseMaxT || p.D <= kRowwiseMaxD) return launch_rowwise<Elem>(p, stream, dev);
     if (p.D <= 32) return launch_best<Elem, 32>(p, stream, dev);
     if (p.D <= 64) return launch_best<Elem, 64>(p, stream, dev);
     if (p.D <= 128) return launch_best<Elem, 128>(p, stream, dev);
@@ -579,9 +835,9 @@ cudaError_t dispatch_head_dim(const GqaParams& p, cudaStream_t stream) {
 int gqa_forward(const GqaParams& p, void* stream) {
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     switch (p.dtype) {
-        case kGqaFloat32: return int(dispatch_head_dim<float>(p, s));
-        case kGqaFloat16: return int(dispatch_head_dim<__half>(p, s));
-        case kGqaBFloat16: return int(dispatch_head_dim<__nv_bfloat16>(p, s));
+        case kGqaFloat32: return int(dispatch<float>(p, s));
+        case kGqaFloat16:
+        case kGqaBFloat16: return int(dispatch<Half16>(p, s));
         default: return int(cudaErrorInvalidValue);
     }
 }
