@@ -552,70 +552,168 @@ gqa_fwd_kernel(const GqaParams p) {
 // ---------------------------------------------------------------------------------------------
 // Row-wise kernel for short sequences (and tiny head dims): plain fp32 FMA, no tensor cores.
 // There the tiled kernel is bound by latency, not arithmetic: its splits, barriers and merges
-// cost more than the few products a short row needs. Here one warp owns one query row. The CTA
-// loads the keys its rows need into shared memory in one phase (in chunks of kc keys when they do
-// not fit), every load in flight at once; then each warp scores 32 keys at a time, one key per
-// lane, and accumulates P V with one head-dim column per lane, reading the probabilities back
-// from shared memory four at a time. It visits only attended keys, so Inf and NaN follow the
-// reference with no special path.
-constexpr int kRowWarps = 8;                       // warps per CTA, one query row each
+// cost more than the few products a short row needs, so what counts is the number of dependent
+// instructions on the longest warp. One warp owns one query row. The CTA loads the keys its rows
+// need into shared memory in one phase (in chunks of kc keys when they do not fit), every load in
+// flight at once. Each warp then works a chunk in three passes:
+//   1. scores, one key per lane, two keys at a time (two independent dot products per lane);
+//   2. one max for the chunk, then exponentials, kept in the warp's row of sP;
+//   3. P V with each lane owning a float4 of head-dim columns and every ks-th key, so t keys are
+//      a chain of t / ks steps (ks = 4 at head_dim 32), summed across lanes at the end.
+// Index arithmetic divides by divisors prepared on the host (FastDiv): the integer divisions they
+// replace were a tenth of the kernel's time at the harness shape. Only attended keys are visited,
+// so Inf and NaN follow the reference with no special path.
+constexpr int kRowWarps = 8;                  // warps per CTA, one query row each
 constexpr int kRowsPerCta = kRowWarps;
-constexpr int kColsPerLane = kGqaMaxHeadDim / 32;  // head-dim columns per lane in P V
-constexpr int kRowSmemBudget = 96 * 1024;          // bytes of shared memory per CTA, at most
+constexpr int kRowSmemBudget = 96 * 1024;     // bytes of shared memory per CTA, at most
+
+// Division of a non-negative int below 2^31 by a divisor d fixed at launch: with l = ceil(log2 d)
+// and m = ceil(2^(31+l) / d), floor(n / d) = floor(m n / 2^(31+l)), one multiply-high and a shift.
+struct FastDiv {
+    int d;
+    uint32_t mul;
+    int shift;
+    FastDiv() = default;
+    explicit FastDiv(int divisor) : d(divisor), mul(0), shift(0) {
+        if (d > 1) {
+            int l = 0;
+            while ((int64_t(1) << l) < d) ++l;
+            mul = uint32_t(((uint64_t(1) << (31 + l)) + uint64_t(d) - 1) / uint64_t(d));
+            shift = l - 1;
+        }
+    }
+    __device__ __forceinline__ int div(int n) const { return d == 1 ? n : int(__umulhi(uint32_t(n), mul) >> shift); }
+};
+
+struct RowwiseDivs {
+    FastDiv bh;      // B * Hkv: CTA index -> (row tile, batch and kv head)
+    FastDiv hkv;     // Hkv
+    FastDiv group;   // G: packed row -> time step
+    FastDiv width;   // copy items per row (D / 4 for 16-byte fp32 copies, else D4)
+};
 
 // Shared-memory layout, in floats. D4 is D rounded up to 4 (rows are read as float4; columns
 // D..D4-1 hold zeros). The q/K pitch is 4 (mod 8), so each 8-lane phase of a float4 read of 8
-// different keys covers all 32 banks once.
+// different keys covers all 32 banks once. Each warp has kc floats of scores/probabilities.
 __host__ __device__ constexpr int rowwise_d4(int D) { return (D + 3) & ~3; }
 __host__ __device__ constexpr int rowwise_k_pitch(int D) { return ((D + 7) & ~7) + 4; }
-__host__ __device__ constexpr int rowwise_fixed_floats(int D) { return kRowsPerCta * rowwise_k_pitch(D) + kRowWarps * 32; }
-__host__ __device__ constexpr int rowwise_key_floats(int D) { return rowwise_k_pitch(D) + rowwise_d4(D); }
+__host__ __device__ constexpr int rowwise_fixed_floats(int D) { return kRowsPerCta * rowwise_k_pitch(D); }
+__host__ __device__ constexpr int rowwise_key_floats(int D) { return rowwise_k_pitch(D) + rowwise_d4(D) + kRowWarps; }
+
+// Programmatic dependent launch (sm_90+): a kernel launched with it may start while the previous
+// kernel on the stream finishes; it must not touch global memory before grid_dependency_wait().
+// Elsewhere, or when launched without it, both are no-ops.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// Walks the (row, column) items of a rows x width grid, NT items apart, from this thread's first.
+template <int NT>
+struct GridCursor {
+    int r, c, dr, dc, width;
+    __device__ __forceinline__ explicit GridCursor(const FastDiv& w) : width(w.d) {
+        r = w.div(int(threadIdx.x));
+        c = int(threadIdx.x) - r * width;
+        dr = w.div(NT);
+        dc = NT - dr * width;
+    }
+    __device__ __forceinline__ void next() {
+        r += dr;
+        c += dc;
+        if (c >= width) {
+            c -= width;
+            ++r;
+        }
+    }
+};
 
 // Copies `rows` rows (pointer per row; null = past the end, zero-filled) of D elements into fp32
 // shared memory with pitch ld, zero-filling columns D..D4-1. Every copy is issued before any is
 // waited on: fp32 through cp.async (16 bytes when rows are 16-byte aligned), 16-bit types through
-// registers, four loads per thread in flight.
+// registers, four loads per thread in flight. `width` divides by the items per row: D / 4 for
+// 16-byte fp32 copies, else D4.
 template <typename Elem, int NT, typename RowPtr>
 __device__ __forceinline__ void rowwise_load(float* dst, int ld, RowPtr row_ptr, int rows, int D, bool vec16,
-                                             bool bf16, const Elem* any_valid) {
+                                             bool bf16, const Elem* any_valid, const FastDiv& width) {
     const int D4 = rowwise_d4(D);
     if constexpr (std::is_same<Elem, float>::value) {
         if (vec16) {   // D is a multiple of 4 here
-            const int chunks = D / 4;
-            for (int i = threadIdx.x; i < rows * chunks; i += NT) {
-                const int r = i / chunks, c = (i - r * chunks) * 4;
-                const float* src = row_ptr(r);
-                cp_async16(dst + r * ld + c, src != nullptr ? src + c : any_valid, src != nullptr ? 16 : 0);
+            for (GridCursor<NT> g(width); g.r < rows; g.next()) {
+                const float* src = row_ptr(g.r);
+                cp_async16(dst + g.r * ld + 4 * g.c, src != nullptr ? src + 4 * g.c : any_valid, src != nullptr ? 16 : 0);
             }
         } else {
-            for (int i = threadIdx.x; i < rows * D4; i += NT) {
-                const int r = i / D4, c = i - r * D4;
-                const float* src = row_ptr(r);
-                const bool ok = src != nullptr && c < D;
-                cp_async4(dst + r * ld + c, ok ? src + c : any_valid, ok ? 4 : 0);
+            for (GridCursor<NT> g(width); g.r < rows; g.next()) {
+                const float* src = row_ptr(g.r);
+                const bool ok = src != nullptr && g.c < D;
+                cp_async4(dst + g.r * ld + g.c, ok ? src + g.c : any_valid, ok ? 4 : 0);
             }
         }
     } else {
-        for (int i0 = threadIdx.x; i0 < rows * D4; i0 += 4 * NT) {
+        for (GridCursor<NT> g(width); g.r < rows;) {
             Elem x[4];
+            int off[4];
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
-                const int i = i0 + u * NT, r = i / D4, c = i - r * D4;
-                const Elem* src = i < rows * D4 ? row_ptr(r) : nullptr;
-                x[u] = (src != nullptr && c < D) ? src[c] : Elem(0);
+                const Elem* src = g.r < rows ? row_ptr(g.r) : nullptr;
+                x[u] = (src != nullptr && g.c < D) ? src[g.c] : Elem(0);
+                off[u] = g.r < rows ? g.r * ld + g.c : -1;
+                g.next();
             }
 #pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                const int i = i0 + u * NT, r = i / D4, c = i - r * D4;
-                if (i < rows * D4) dst[r * ld + c] = to_float(x[u], bf16);
-            }
+            for (int u = 0; u < 4; ++u)
+                if (off[u] >= 0) dst[off[u]] = to_float(x[u], bf16);
         }
     }
 }
 
+// N dot products of the shared-memory q row with N key rows (float4 pitch), two partial sums
+// each so every product has an independent neighbour.
+template <int N>
+__device__ __forceinline__ void rowwise_dots(const float4* q4, const float4* const (&k4)[N], int n4, float (&s)[N]) {
+    float a[N], b[N];
+#pragma unroll
+    for (int n = 0; n < N; ++n) a[n] = b[n] = 0.f;
+#pragma unroll 4
+    for (int c = 0; c < n4; ++c) {
+        const float4 x = q4[c];
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            const float4 y = k4[n][c];
+            a[n] = fmaf(x.x, y.x, a[n]);
+            b[n] = fmaf(x.y, y.y, b[n]);
+            a[n] = fmaf(x.z, y.z, a[n]);
+            b[n] = fmaf(x.w, y.w, b[n]);
+        }
+    }
+#pragma unroll
+    for (int n = 0; n < N; ++n) s[n] = a[n] + b[n];
+}
+
+__device__ __forceinline__ void fma4(float4& acc, float s, const float4& v) {
+    acc.x = fmaf(s, v.x, acc.x);
+    acc.y = fmaf(s, v.y, acc.y);
+    acc.z = fmaf(s, v.z, acc.z);
+    acc.w = fmaf(s, v.w, acc.w);
+}
+
+__device__ __forceinline__ void scale4(float4& acc, float s) {
+    acc.x *= s;
+    acc.y *= s;
+    acc.z *= s;
+    acc.w *= s;
+}
+
 template <typename Elem>
-__global__ void __launch_bounds__(32 * kRowWarps)
-gqa_rowwise_kernel(const GqaParams p, int kc) {
+__global__ void __launch_bounds__(32 * kRowWarps, 1)
+gqa_rowwise_kernel(const GqaParams p, int kc, const RowwiseDivs dv) {
     constexpr int NT = 32 * kRowWarps;
     extern __shared__ float4 smem_raw[];
     const int D = p.D, G = p.group, T = p.T;
@@ -623,17 +721,17 @@ gqa_rowwise_kernel(const GqaParams p, int kc) {
     float* sQ = reinterpret_cast<float*>(smem_raw);   // [kRowsPerCta][kld]
     float* sK = sQ + kRowsPerCta * kld;               // [kc][kld]
     float* sV = sK + kc * kld;                        // [kc][D4]
-    float* sP = sV + kc * D4;                         // [kRowWarps][32]: each warp's probabilities
+    float* sP = sV + kc * D4;                         // [kRowWarps][kc]: each warp's scores, then probabilities
 
     const bool bf16 = p.dtype == kGqaBFloat16;
-    const int bh_count = p.B * p.Hkv;
     const int rows_total = T * G;
     const int n_qtiles = (rows_total + kRowsPerCta - 1) / kRowsPerCta;
-    const int qtile = n_qtiles - 1 - int(blockIdx.x / bh_count);   // longest rows first
-    const int bh = int(blockIdx.x % bh_count);
-    const int b = bh / p.Hkv, kvh = bh % p.Hkv;
+    const int tile = dv.bh.div(int(blockIdx.x));
+    const int bh = int(blockIdx.x) - tile * dv.bh.d;
+    const int qtile = n_qtiles - 1 - tile;   // longest rows first
+    const int b = dv.hkv.div(bh), kvh = bh - b * p.Hkv;
     const int r0 = qtile * kRowsPerCta;
-    const int t_hi = min((r0 + kRowsPerCta - 1) / G, T - 1);
+    const int t_hi = min(dv.group.div(r0 + kRowsPerCta - 1), T - 1);
 
     const Elem* q_base = static_cast<const Elem*>(p.q) + b * p.q_stride_b + int64_t(kvh) * G * p.q_stride_h;
     const Elem* k_base = static_cast<const Elem*>(p.k) + b * p.k_stride_b + kvh * p.k_stride_h;
@@ -641,106 +739,118 @@ gqa_rowwise_kernel(const GqaParams p, int kc) {
     auto q_row = [&](int r) -> const Elem* {
         const int R = r0 + r;
         if (R >= rows_total) return nullptr;
-        const int t = R / G;
+        const int t = dv.group.div(R);
         return q_base + int64_t(t) * p.q_stride_t + int64_t(R - t * G) * p.q_stride_h;
     };
-    rowwise_load<Elem, NT>(sQ, kld, q_row, kRowsPerCta, D, p.vec16, bf16, q_base);   // waited on with chunk 0
+    grid_dependency_wait();   // q, k and v may come from the kernel before this one
+    allow_dependent_launch();
+    rowwise_load<Elem, NT>(sQ, kld, q_row, kRowsPerCta, D, p.vec16, bf16, q_base, dv.width);   // waited on with chunk 0
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int R = r0 + warp;
-    const int t = R < rows_total ? R / G : -1;   // -1: a padding row, attends to nothing
+    const int t = R < rows_total ? dv.group.div(R) : -1;   // -1: a padding row, attends to nothing
     const float4* q4 = reinterpret_cast<const float4*>(sQ + warp * kld);
-    float* pw = sP + warp * 32;
+    float* pw = sP + warp * kc;
 
-    float acc[kColsPerLane];
-#pragma unroll
-    for (int cc = 0; cc < kColsPerLane; ++cc) acc[cc] = 0.f;
-    float m = -INFINITY, l = 0.f;   // running max (log2 units); this lane's share of the sum
+    // P V layout: lane = kq * cgp + cg. The lane owns columns 4cg..4cg+3 (and 128 further on when
+    // D4 > 128) and keys j = kq (mod ks); cgp is the column-group count rounded up to a power of two.
+    const int n4 = D4 / 4;
+    const int cgp = n4 >= 32 ? 32 : 1 << (32 - __clz(n4 - 1));
+    const int ks = 32 / cgp, kq = lane / cgp, cg = lane % cgp;
+    const bool has0 = cg < n4, has1 = cg + 32 < n4;
+    float4 acc0 = make_float4(0.f, 0.f, 0.f, 0.f), acc1 = acc0;
+    float m = -INFINITY, l = 0.f;   // running max (log2 units, warp-uniform); this lane's share of the sum
 
     for (int c0 = 0; c0 <= t_hi; c0 += kc) {
         const int nk = min(kc, t_hi + 1 - c0);
         if (c0 > 0) __syncthreads();   // every warp is done with the previous chunk
         auto k_row = [&](int r) -> const Elem* { return k_base + int64_t(c0 + r) * p.k_stride_t; };
         auto v_row = [&](int r) -> const Elem* { return v_base + int64_t(c0 + r) * p.v_stride_t; };
-        rowwise_load<Elem, NT>(sK, kld, k_row, nk, D, p.vec16, bf16, k_base);
-        rowwise_load<Elem, NT>(sV, D4, v_row, nk, D, p.vec16, bf16, v_base);
+        rowwise_load<Elem, NT>(sK, kld, k_row, nk, D, p.vec16, bf16, k_base, dv.width);
+        rowwise_load<Elem, NT>(sV, D4, v_row, nk, D, p.vec16, bf16, v_base, dv.width);
         cp_async_commit();
         cp_async_wait<0>();
         __syncthreads();
 
         const int n_here = min(nk, t + 1 - c0);   // keys of this chunk the row attends to
-        for (int kb = 0; kb < n_here; kb += 32) {
-            // Scores: lane j takes key c0 + kb + j.
-            const float4* k4 = reinterpret_cast<const float4*>(sK + min(kb + lane, n_here - 1) * kld);
-            float sa = 0.f, sb = 0.f;
-#pragma unroll 4
-            for (int c = 0; c < D4 / 4; ++c) {
-                const float4 a = q4[c], x = k4[c];
-                sa = fmaf(a.x, x.x, sa);
-                sb = fmaf(a.y, x.y, sb);
-                sa = fmaf(a.z, x.z, sa);
-                sb = fmaf(a.w, x.w, sb);
-            }
-            const float s = kb + lane < n_here ? (sa + sb) * p.scale_log2 : -INFINITY;
-            float mx = s;
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-            const float m_new = fmaxf(m, mx);
-            const float m_ref = m_new == -INFINITY ? 0.f : m_new;   // nothing attended yet
-            const float alpha = fast_exp2(m - m_ref);
-            m = m_new;
-            const float pr = fast_exp2(s - m_ref);
-            l = l * alpha + pr;
-#pragma unroll
-            for (int cc = 0; cc < kColsPerLane; ++cc) acc[cc] *= alpha;
-            pw[lane] = pr;
-            __syncwarp();
-
-            // P V over this block's attended keys, four probabilities per shared-memory read.
-            const int n_keys = min(32, n_here - kb);
-            const float* vb = sV + kb * D4;
-            int j = 0;
-            for (; j + 4 <= n_keys; j += 4) {
-                const float4 p4 = *reinterpret_cast<const float4*>(pw + j);
-#pragma unroll
-                for (int cc = 0; cc < kColsPerLane; ++cc) {
-                    const int col = lane + 32 * cc;
-                    if (32 * cc >= D) break;
-                    if (col < D) {
-                        const float* vc = vb + j * D4 + col;
-                        float a = acc[cc];
-                        a = fmaf(p4.x, vc[0], a);
-                        a = fmaf(p4.y, vc[D4], a);
-                        a = fmaf(p4.z, vc[2 * D4], a);
-                        a = fmaf(p4.w, vc[3 * D4], a);
-                        acc[cc] = a;
-                    }
+        // 1. Scores of the attended keys, lane j taking keys j, j + 32, ...
+        float mx = -INFINITY;
+        for (int kb = 0; kb < n_here; kb += 64) {
+            const int ja = kb + lane, jb = ja + 32;
+            if (kb + 32 < n_here) {
+                const float4* const k4[2] = {reinterpret_cast<const float4*>(sK + ja * kld),
+                                             reinterpret_cast<const float4*>(sK + min(jb, n_here - 1) * kld)};
+                float s[2];
+                rowwise_dots<2>(q4, k4, n4, s);
+                s[0] *= p.scale_log2;
+                s[1] *= p.scale_log2;
+                pw[ja] = s[0];
+                mx = fmaxf(mx, s[0]);
+                if (jb < n_here) {
+                    pw[jb] = s[1];
+                    mx = fmaxf(mx, s[1]);
+                }
+            } else {
+                const float4* const k4[1] = {reinterpret_cast<const float4*>(sK + min(ja, n_here - 1) * kld)};
+                float s[1];
+                rowwise_dots<1>(q4, k4, n4, s);
+                s[0] *= p.scale_log2;
+                if (ja < n_here) {
+                    pw[ja] = s[0];
+                    mx = fmaxf(mx, s[0]);
                 }
             }
-            for (; j < n_keys; ++j) {
-                const float pj = pw[j];
-#pragma unroll
-                for (int cc = 0; cc < kColsPerLane; ++cc) {
-                    const int col = lane + 32 * cc;
-                    if (32 * cc >= D) break;
-                    if (col < D) acc[cc] = fmaf(pj, vb[j * D4 + col], acc[cc]);
-                }
-            }
-            __syncwarp();   // pw is rewritten by the next block
         }
+        // 2. One max for the chunk; earlier sums are rescaled to it; scores become probabilities.
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        const float m_new = fmaxf(m, mx);
+        const float m_ref = m_new == -INFINITY ? 0.f : m_new;   // nothing attended yet
+        const float alpha = fast_exp2(m - m_ref);
+        m = m_new;
+        l *= alpha;
+        scale4(acc0, alpha);
+        scale4(acc1, alpha);
+        for (int j = lane; j < n_here; j += 32) {   // each lane rewrites only its own scores
+            const float pr = fast_exp2(pw[j] - m_ref);
+            pw[j] = pr;
+            l += pr;
+        }
+        __syncwarp();
+        // 3. P V: this lane's keys into this lane's columns.
+        if (has0) {
+            const float* vc = sV + 4 * cg;
+#pragma unroll 4
+            for (int j = kq; j < n_here; j += ks) {
+                const float pj = pw[j];
+                fma4(acc0, pj, *reinterpret_cast<const float4*>(vc + j * D4));
+                if (has1) fma4(acc1, pj, *reinterpret_cast<const float4*>(vc + j * D4 + 128));
+            }
+        }
+        __syncwarp();   // pw is rewritten by the next chunk
     }
 
+    // Lanes that share columns hold sums over disjoint keys.
+    for (int o = cgp; o < 32; o <<= 1) {
+        acc0.x += __shfl_xor_sync(0xffffffffu, acc0.x, o);
+        acc0.y += __shfl_xor_sync(0xffffffffu, acc0.y, o);
+        acc0.z += __shfl_xor_sync(0xffffffffu, acc0.z, o);
+        acc0.w += __shfl_xor_sync(0xffffffffu, acc0.w, o);
+    }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
-    if (t < 0) return;
+    if (t < 0 || kq != 0 || !has0) return;
     const float inv = 1.f / l;
     Elem* dst = static_cast<Elem*>(p.o) + b * p.o_stride_b + int64_t(t) * p.o_stride_t +
                 int64_t(kvh * G + (R - t * G)) * p.o_stride_h;
-#pragma unroll
-    for (int cc = 0; cc < kColsPerLane; ++cc) {
-        const int col = lane + 32 * cc;
-        if (col < D) dst[col] = from_float<Elem>(acc[cc] * inv, bf16);
-    }
+    auto store4 = [&](int c, const float4& x) {
+        if (c < D) dst[c] = from_float<Elem>(x.x * inv, bf16);
+        if (c + 1 < D) dst[c + 1] = from_float<Elem>(x.y * inv, bf16);
+        if (c + 2 < D) dst[c + 2] = from_float<Elem>(x.z * inv, bf16);
+        if (c + 3 < D) dst[c + 3] = from_float<Elem>(x.w * inv, bf16);
+    };
+    store4(4 * cg, acc0);
+    if (has1) store4(4 * cg + 128, acc1);
 }
 
 __global__ void gqa_empty_kernel() {}
@@ -770,6 +880,13 @@ cudaError_t raise_smem_limit(Kernel kernel, size_t bytes, int dev, bool (&raised
     return cudaSuccess;
 }
 
+int cc_major(int dev) {
+    static int major[kMaxDevices] = {};
+    if (dev >= kMaxDevices) return 0;
+    if (major[dev] == 0) cudaDeviceGetAttribute(&major[dev], cudaDevAttrComputeCapabilityMajor, dev);
+    return major[dev];
+}
+
 template <typename Elem>
 cudaError_t launch_rowwise(const GqaParams& p, cudaStream_t stream, int dev) {
     static bool raised[kMaxDevices] = {};
@@ -783,8 +900,24 @@ cudaError_t launch_rowwise(const GqaParams& p, cudaStream_t stream, int dev) {
     if (err != cudaSuccess) return err;
     const int64_t blocks = (int64_t(p.T) * p.group + kRowsPerCta - 1) / kRowsPerCta * p.B * p.Hkv;
     if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-    kernel<<<unsigned(blocks), 32 * kRowWarps, smem, stream>>>(p, kc);
-    return cudaGetLastError();
+    // On sm_90+ the launch overlaps the tail of the previous kernel (the kernel waits for it
+    // before its first global read).
+    cudaLaunchAttribute overlap[1];
+    overlap[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    overlap[0].val.programmaticStreamSerializationAllowed = 1;
+    RowwiseDivs dv;
+    dv.bh = FastDiv(p.B * p.Hkv);
+    dv.hkv = FastDiv(p.Hkv);
+    dv.group = FastDiv(p.group);
+    dv.width = FastDiv(std::is_same<Elem, float>::value && p.vec16 ? p.D / 4 : rowwise_d4(p.D));
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(unsigned(blocks));
+    cfg.blockDim = dim3(32 * kRowWarps);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = overlap;
+    cfg.numAttrs = cc_major(dev) >= 9 ? 1 : 0;
+    return cudaLaunchKernelEx(&cfg, kernel, p, kc, dv);
 }
 
 template <typename Elem, int DP, int KW>
