@@ -755,8 +755,9 @@ gqa_rowwise_kernel(const GqaParams p, int kc, const RowwiseDivs dv) {
     // P V layout: lane = kq * cgp + cg. The lane owns columns 4cg..4cg+3 (and 128 further on when
     // D4 > 128) and keys j = kq (mod ks); cgp is the column-group count rounded up to a power of two.
     const int n4 = D4 / 4;
-    const int cgp = n4 >= 32 ? 32 : 1 << (32 - __clz(n4 - 1));
-    const int ks = 32 / cgp, kq = lane / cgp, cg = lane % cgp;
+    const int lg = n4 >= 32 ? 5 : 32 - __clz(n4 - 1);   // log2(cgp)
+    const int cgp = 1 << lg;
+    const int ks = 32 >> lg, kq = lane >> lg, cg = lane & (cgp - 1);
     const bool has0 = cg < n4, has1 = cg + 32 < n4;
     float4 acc0 = make_float4(0.f, 0.f, 0.f, 0.f), acc1 = acc0;
     float m = -INFINITY, l = 0.f;   // running max (log2 units, warp-uniform); this lane's share of the sum
@@ -818,10 +819,14 @@ gqa_rowwise_kernel(const GqaParams p, int kc, const RowwiseDivs dv) {
         }
         __syncwarp();
         // 3. P V: this lane's keys into this lane's columns.
-        if (has0) {
-            const float* vc = sV + 4 * cg;
+        const float* vc = sV + 4 * cg;
+        if (n4 <= 32) {
 #pragma unroll 4
-            for (int j = kq; j < n_here; j += ks) {
+            for (int j = kq; j < n_here && has0; j += ks)
+                fma4(acc0, pw[j], *reinterpret_cast<const float4*>(vc + j * D4));
+        } else {   // D4 > 128: every lane has a first column group, some a second; ks = 1
+#pragma unroll 4
+            for (int j = 0; j < n_here; ++j) {
                 const float pj = pw[j];
                 fma4(acc0, pj, *reinterpret_cast<const float4*>(vc + j * D4));
                 if (has1) fma4(acc1, pj, *reinterpret_cast<const float4*>(vc + j * D4 + 128));
