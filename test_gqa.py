@@ -361,6 +361,25 @@ def test_gpu_nan_and_inf_propagate_like_reference(T, D):
 
 
 @needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("T,D", [(70, 32), (300, 128), (4300, 64)])
+def test_gpu_half_nan_and_inf_propagate_like_reference(dtype, T, D):
+    """In fp16 and bf16 too, a non-finite value reaches exactly the rows that attend to it."""
+    q, k, v = make_qkv(1, T, 4, 2, D, device="cuda", dtype=dtype)
+    q[0, 10, 1, 3] = float("nan")
+    k[0, 30, 0, 1] = float("nan")
+    v[0, 20, 1, 0] = float("nan")
+    v[0, 45, 1, 2] = float("inf")
+    v[0, T - 1, 0, 0] = float("-inf")
+    out = call_poisoned(q, k, v)
+    exact = reference.causal_gqa_reference(q, k, v)
+    assert torch.equal(torch.isnan(out), torch.isnan(exact))
+    assert torch.equal(torch.isinf(out), torch.isinf(exact))
+    finite = torch.isfinite(exact)
+    assert torch.allclose(out.double()[finite], exact[finite], atol=1e-2, rtol=1e-2)
+
+
+@needs_gpu
 def test_gpu_large_scores_stay_stable():
     """Scores in the thousands: a naive exp overflows. fp32 itself cannot resolve such scores to
     1e-4, so the bar is the error of the same formula evaluated in fp32 (expanded k/v, softmax)."""
@@ -396,7 +415,9 @@ def test_gpu_allow_tf32_uses_single_tf32_and_default_is_fp32_accurate():
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("B,T,Hq,Hkv,D", [(1, 1, 1, 1, 16), (2, 65, 8, 2, 64), (1, 1000, 32, 8, 128),
-                                          (1, 127, 6, 3, 200), (3, 80, 7, 1, 40)])
+                                          (1, 127, 6, 3, 200), (3, 80, 7, 1, 40), (2, 300, 8, 2, 64),
+                                          (1, 257, 6, 3, 200), (1, 150, 4, 2, 20), (2, 333, 4, 4, 40),
+                                          (1, 4097, 8, 2, 128), (2, 1000, 7, 1, 256), (1, 200, 2, 1, 32)])
 def test_gpu_half_precision(dtype, B, T, Hq, Hkv, D):
     """Error against float64 at most 2x SDPA's own error in that dtype, plus 1e-3 absolute."""
     q, k, v = make_qkv(B, T, Hq, Hkv, D, device="cuda", dtype=dtype)

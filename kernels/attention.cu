@@ -11,14 +11,16 @@
 // registers. Tiles past the CTA's last time step are never visited; only tiles that reach past
 // its first time step are masked.
 //
-// Products. Both QK^T and PV use mma.sync m16n8k8 TF32. Each fp32 operand x is split into
-// big = tf32(x) and small = tf32(x - big); big*big + big*small + small*big recovers about 21 of
-// fp32's 24 mantissa bits per product, with fp32 accumulation (3xTF32). When the caller allows
-// TF32 (torch.backends.cuda.matmul.allow_tf32), only big*big is issued. fp16 and bf16 inputs are
-// exact in TF32: QK^T needs one product, and PV two (P itself is fp32).
-//
-// The operand element type is a template parameter of the loaders only (float, or 16-bit storage
-// whose fp16/bf16 kind is a run-time flag): shared memory and all arithmetic are fp32.
+// Products. The input dtype is the kernel's template parameter; it picks the shared-memory element
+// and the two tile products, and everything else (tiling, masking, online softmax, merges,
+// epilogue) is shared.
+//  - fp32: mma.sync m16n8k8 TF32. Each fp32 operand x is split into big = tf32(x) and
+//    small = tf32(x - big); big*big + big*small + small*big recovers about 21 of fp32's 24 mantissa
+//    bits per product, with fp32 accumulation (3xTF32). When the caller allows TF32
+//    (torch.backends.cuda.matmul.allow_tf32), only big*big is issued.
+//  - fp16 and bf16: shared memory keeps the 16-bit inputs, fragments come from ldmatrix, and both
+//    products are mma.sync m16n8k16 with fp32 accumulation; P is rounded to the input dtype for
+//    P V, as FlashAttention does.
 //
 // Short sequences (T <= kRowwiseMaxT) and head dims too small for a tensor-core tile go to a
 // row-wise fp32 FMA kernel instead (gqa_rowwise_kernel, below): there the cost is latency, not
@@ -39,37 +41,43 @@ namespace {
 // Tile configuration, one place. DP is the compiled head_dim width (D is zero-padded up to it).
 // KW is the number of warps that split one K/V tile between them (in-CTA split of the key range).
 //  - KW = 1, "long": 4 warps own 64 query rows and walk the keys together.
-//  - KW = 8, "short": 8 warps own the same 16 rows, each takes an eighth of every K/V tile, and
-//    the partial softmax states are merged at the end. A short sequence then has a much shorter
-//    critical path per CTA and 4x more CTAs to spread over the SMs.
-template <int DP, int KW> struct TileShape;
-template <> struct TileShape<32, 1>  { static constexpr int kBlockN = 64; };
-template <> struct TileShape<64, 1>  { static constexpr int kBlockN = 64; };
-template <> struct TileShape<128, 1> { static constexpr int kBlockN = 32; };
-template <> struct TileShape<256, 1> { static constexpr int kBlockN = 32; };
-template <> struct TileShape<32, 8>  { static constexpr int kBlockN = 16; };
-template <> struct TileShape<64, 8>  { static constexpr int kBlockN = 16; };
-template <> struct TileShape<128, 8> { static constexpr int kBlockN = 8; };
+//  - KW = 8, "short" (fp32 only): 8 warps own the same 16 rows, each takes an eighth of every K/V
+//    tile, and the partial softmax states are merged at the end. A short sequence then has a much
+//    shorter critical path per CTA and 4x more CTAs to spread over the SMs.
+// Keys per warp per K/V tile; 16-bit tiles take twice the keys for the same bytes.
+constexpr int tile_block_n(int DP, int KW, bool half) {
+    return half ? (DP <= 128 ? 64 : 32) : KW == 1 ? (DP <= 64 ? 64 : 32) : (DP <= 64 ? 16 : 8);
+}
 
-template <int DP, int KW> struct TileTraits {
+// Input element type per dtype code: fp32, or raw 16-bit storage for fp16 and bf16.
+using Half16 = uint16_t;
+template <int kDtype> using ElemOf = typename std::conditional<kDtype == kGqaFloat32, float, Half16>::type;
+
+// Shared-memory row pitch in elements; shared memory holds the input dtype. fp32: DP + 4 floats is
+// 4 (mod 32 banks), so a warp's fragment loads touch 32 distinct banks. 16-bit: DP + 8 moves each
+// row by an odd number of 16-byte units, so the 8 rows an ldmatrix reads hit distinct banks.
+template <typename Elem, int DP> __host__ __device__ constexpr int tile_ld() { return std::is_same<Elem, float>::value ? DP + 4 : DP + 8; }
+
+template <int DP, int KW, typename Elem> struct TileTraits {
+    static constexpr bool kHalf = !std::is_same<Elem, float>::value;
     static constexpr int kWarps = KW == 1 ? 4 : KW;
     static constexpr int kRowWarps = kWarps / KW;        // warps stacked along the query rows
     static constexpr int kThreads = 32 * kWarps;
     static constexpr int kBlockM = 16 * kRowWarps;       // query rows per CTA: 16 per row warp
-    static constexpr int kBlockN = TileShape<DP, KW>::kBlockN;   // keys per warp per tile
+    static constexpr int kBlockN = tile_block_n(DP, KW, kHalf);   // keys per warp per tile
     static constexpr int kTileKeys = kBlockN * KW;       // keys per shared-memory stage
     static constexpr int kStages = 2;
-    // Row pitch in floats. DP + 4 is 4 (mod 32 banks), which makes every fragment load below
-    // conflict-free: a warp's 32 lanes touch 32 distinct banks.
-    static constexpr int kLd = DP + 4;
-    static constexpr size_t kKvFloats = size_t(2) * kStages * kTileKeys * kLd;
-    static constexpr size_t kSmemBytes = sizeof(float) * (size_t(kLd) * kBlockM + kKvFloats);
+    static constexpr int kLd = tile_ld<Elem, DP>();
+    static constexpr size_t kKvElems = size_t(2) * kStages * kTileKeys * kLd;
+    static constexpr size_t kSmemBytes = sizeof(Elem) * (size_t(kLd) * kBlockM + kKvElems);
     // The key-split merge reuses the K/V buffers: per warp, each lane's O fragment plus (m, l).
     static constexpr size_t kMergeFloats = size_t(kWarps) * 32 * (DP / 2 + 4);
     static_assert(DP % 32 == 0, "compiled head_dim widths are multiples of 32");
-    static_assert(kBlockN % 8 == 0, "kBlockN is a whole number of mma n-tiles");
+    static_assert(kBlockN % (kHalf ? 16 : 8) == 0, "kBlockN is a whole number of mma k-steps and n-tiles");
     static_assert(kWarps % KW == 0, "the split warps must divide the CTA");
-    static_assert(KW == 1 || kMergeFloats <= kKvFloats, "merge scratch must fit in the K/V buffers");
+    static_assert(!kHalf || KW == 1, "16-bit inputs use the long variant only");
+    static_assert(KW == 1 || sizeof(float) * kMergeFloats <= sizeof(Elem) * kKvElems,
+                  "merge scratch must fit in the K/V buffers");
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -143,10 +151,91 @@ __device__ __forceinline__ void mma_terms(Acc acc, const uint32_t (&a_big)[4], c
     for (int n = 0; n < N; ++n) mma_tf32(acc(n), a_big, b_big[n]);
 }
 
-// Element I/O. fp32 is one instantiation; fp16 and bf16 share the other, as raw 16-bit storage
-// whose kind is a run-time flag (uniform across the grid), which halves the kernels to compile.
-using Half16 = uint16_t;
+// 16-bit operands (m16n8k16). ldmatrix gives each lane its fragment of four 8x8 matrices; lane
+// 8i + r names row r of matrix i. `.trans` hands out the transposed matrices (used for V).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const uint16_t* smem) {
+    const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const uint16_t* smem) {
+    const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+template <bool kBf16>
+__device__ __forceinline__ void mma_16bit(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    if constexpr (kBf16) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+            "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+// Two fp32 values rounded to one 16-bit pair, `lo` in the low half (the lower k index).
+template <bool kBf16> __device__ __forceinline__ uint32_t pack_16bit(float lo, float hi) {
+    if constexpr (kBf16) {
+        const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+        return *reinterpret_cast<const uint32_t*>(&h);
+    } else {
+        const __half2 h = __floats2half2_rn(lo, hi);
+        return *reinterpret_cast<const uint32_t*>(&h);
+    }
+}
 
+// S (16 rows x BN keys) = Q K^T for one warp from 16-bit shared memory, k-steps of 16 columns.
+// One ldmatrix gives the A fragment (rows 0-7 / 8-15, columns 0-7 / 8-15), another the B fragments
+// of two 8-key n-tiles (K rows are B's columns, so no transpose).
+template <bool kBf16, int BN, int DP, int LD>
+__device__ __forceinline__ void qk_16bit(float (&s)[BN / 8][4], const uint16_t* q_rows, const uint16_t* k_rows, int ksteps,
+                                         int lane) {
+    const uint16_t* qa = q_rows + (lane & 15) * LD + 8 * (lane >> 4);
+    const uint16_t* kb = k_rows + ((lane & 7) + 8 * (lane >> 4)) * LD + 8 * ((lane >> 3) & 1);
+#pragma unroll
+    for (int kk = 0; kk < DP / 16; ++kk) {
+        if (kk >= ksteps) break;
+        uint32_t a[4];
+        ldmatrix_x4(a, qa + kk * 16);
+#pragma unroll
+        for (int j = 0; j < BN / 8; j += 2) {
+            uint32_t b[4];
+            ldmatrix_x4(b, kb + j * 8 * LD + kk * 16);
+            mma_16bit<kBf16>(s[j], a, b[0], b[1]);
+            mma_16bit<kBf16>(s[j + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// O (16 rows x DP) += P V for one warp. The A fragment of a 16-key step is the S accumulators of
+// two adjacent 8-key n-tiles, rounded to 16 bits; V's fragments come from a transposing ldmatrix,
+// two O n-tiles per load. O n-tiles wholly in the zero padding (from `dtiles` on, in pairs) are skipped.
+template <bool kBf16, int BN, int DP, int LD>
+__device__ __forceinline__ void pv_16bit(float (&o)[DP / 8][4], const float (&s)[BN / 8][4], const uint16_t* v_rows,
+                                         int dtiles, int lane) {
+    const uint16_t* vb = v_rows + ((lane & 7) + 8 * ((lane >> 3) & 1)) * LD + 8 * (lane >> 4);
+#pragma unroll
+    for (int ks = 0; ks < BN / 16; ++ks) {
+        const uint32_t a[4] = {pack_16bit<kBf16>(s[2 * ks][0], s[2 * ks][1]), pack_16bit<kBf16>(s[2 * ks][2], s[2 * ks][3]),
+                               pack_16bit<kBf16>(s[2 * ks + 1][0], s[2 * ks + 1][1]),
+                               pack_16bit<kBf16>(s[2 * ks + 1][2], s[2 * ks + 1][3])};
+#pragma unroll
+        for (int d = 0; d < DP / 8; d += 2) {
+            if (d >= dtiles) break;
+            uint32_t b[4];
+            ldmatrix_x4_trans(b, vb + ks * 16 * LD + d * 8);
+            mma_16bit<kBf16>(o[d], a, b[0], b[1]);
+            mma_16bit<kBf16>(o[d + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// Element I/O. fp16 and bf16 travel as raw 16-bit storage; the row-wise kernel takes their kind as
+// a run-time flag (uniform across the grid), the tiled kernel as its template parameter.
 __device__ __forceinline__ float to_float(float x, bool) { return x; }
 __device__ __forceinline__ float to_float(Half16 x, bool bf16) {
     return bf16 ? __uint_as_float(uint32_t(x) << 16) : __half2float(__ushort_as_half(x));
@@ -158,99 +247,172 @@ template <> __device__ __forceinline__ Half16 from_float<Half16>(float x, bool b
     return bf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(x)) : __half_as_ushort(__float2half_rn(x));
 }
 
-// Copies the first `rows` (<= ROWS) rows of D elements into fp32 shared memory, row pitch kLd,
-// zero-filling columns D..DP-1 and rows whose pointer is null (past the end of the sequence):
-// zeros there keep the padded products exact and keep garbage out of P.V.
-// fp32 goes through cp.async (16 bytes when every row start is 16-byte aligned, else 4);
-// half types are loaded, widened and stored synchronously.
+// Copies the first `rows` (<= ROWS) rows of D elements into shared memory of the input dtype, row
+// pitch tile_ld, zero-filling columns D..DP-1 and rows whose pointer is null (past the end of the
+// sequence): zeros there keep the padded products exact and keep garbage out of P.V.
+// With every row start 16-byte aligned, 16-byte cp.async copies; otherwise 4-byte cp.async for
+// fp32 and synchronous element copies for 16-bit types.
 template <typename Elem, int DP, int ROWS, int NTHREADS, typename RowPtr>
-__device__ __forceinline__ void load_rows(float* dst, RowPtr row_ptr, const Elem* any_valid, int rows, int D, bool vec16,
-                                          bool bf16) {
-    constexpr int kLd = DP + 4;
-    if constexpr (std::is_same<Elem, float>::value) {
-        if (vec16) {
-            constexpr int kChunks = DP / 4;
+__device__ __forceinline__ void load_rows(Elem* dst, RowPtr row_ptr, const Elem* any_valid, int rows, int D, bool vec16) {
+    constexpr int kLd = tile_ld<Elem, DP>();
+    if (vec16) {
+        constexpr int kWidth = 16 / int(sizeof(Elem));   // elements per 16-byte copy
+        constexpr int kChunks = DP / kWidth;
 #pragma unroll 4
-            for (int i = threadIdx.x; i < rows * kChunks; i += NTHREADS) {
-                const int r = i / kChunks, c = (i % kChunks) * 4;
-                const float* src = row_ptr(r);
-                const bool ok = src != nullptr && c < D;
-                cp_async16(dst + r * kLd + c, ok ? src + c : any_valid, ok ? 16 : 0);
-            }
-        } else {
+        for (int i = threadIdx.x; i < rows * kChunks; i += NTHREADS) {
+            const int r = i / kChunks, c = (i % kChunks) * kWidth;
+            const Elem* src = row_ptr(r);
+            const bool ok = src != nullptr && c < D;
+            cp_async16(dst + r * kLd + c, ok ? src + c : any_valid, ok ? 16 : 0);
+        }
+    } else if constexpr (std::is_same<Elem, float>::value) {
 #pragma unroll 4
-            for (int i = threadIdx.x; i < rows * DP; i += NTHREADS) {
-                const int r = i / DP, c = i % DP;
-                const float* src = row_ptr(r);
-                const bool ok = src != nullptr && c < D;
-                cp_async4(dst + r * kLd + c, ok ? src + c : any_valid, ok ? 4 : 0);
-            }
+        for (int i = threadIdx.x; i < rows * DP; i += NTHREADS) {
+            const int r = i / DP, c = i % DP;
+            const float* src = row_ptr(r);
+            const bool ok = src != nullptr && c < D;
+            cp_async4(dst + r * kLd + c, ok ? src + c : any_valid, ok ? 4 : 0);
         }
     } else {
-        if (vec16) {
-            constexpr int kChunks = DP / 8;   // 8 half-precision elements = 16 bytes
-#pragma unroll 2
-            for (int i = threadIdx.x; i < rows * kChunks; i += NTHREADS) {
-                const int r = i / kChunks, c = (i % kChunks) * 8;
-                const Elem* src = row_ptr(r);
-                float4 lo = make_float4(0.f, 0.f, 0.f, 0.f), hi = lo;
-                if (src != nullptr && c < D) {
-                    const uint4 raw = *reinterpret_cast<const uint4*>(src + c);
-                    const Elem* e = reinterpret_cast<const Elem*>(&raw);
-                    lo = make_float4(to_float(e[0], bf16), to_float(e[1], bf16), to_float(e[2], bf16),
-                                     to_float(e[3], bf16));
-                    hi = make_float4(to_float(e[4], bf16), to_float(e[5], bf16), to_float(e[6], bf16),
-                                     to_float(e[7], bf16));
-                }
-                *reinterpret_cast<float4*>(dst + r * kLd + c) = lo;
-                *reinterpret_cast<float4*>(dst + r * kLd + c + 4) = hi;
-            }
-        } else {
-            for (int i = threadIdx.x; i < rows * DP; i += NTHREADS) {
-                const int r = i / DP, c = i % DP;
-                const Elem* src = row_ptr(r);
-                dst[r * kLd + c] = (src != nullptr && c < D) ? to_float(src[c], bf16) : 0.f;
-            }
+        for (int i = threadIdx.x; i < rows * DP; i += NTHREADS) {
+            const int r = i / DP, c = i % DP;
+            const Elem* src = row_ptr(r);
+            dst[r * kLd + c] = (src != nullptr && c < D) ? src[c] : Elem(0);
         }
     }
+}
+
+__device__ __forceinline__ bool nonfinite_value(float x, bool) { return !isfinite(x); }
+__device__ __forceinline__ bool nonfinite_value(Half16 x, bool bf16) {
+    return bf16 ? (x & 0x7f80u) == 0x7f80u : (x & 0x7c00u) == 0x7c00u;   // exponent all ones
 }
 
 // True if any value this thread copied with load_rows (same arguments, same thread mapping) is
 // not finite. Reading back only its own copies needs no barrier: cp.async.wait_group (or the
-// plain stores of the half-precision path) already made them visible to this thread.
+// plain stores of the synchronous path) already made them visible to this thread.
 template <typename Elem, int DP, int NTHREADS>
-__device__ __forceinline__ bool own_copies_nonfinite(const float* dst, int rows, bool vec16) {
-    constexpr int kLd = DP + 4;
-    constexpr int kWidth = std::is_same<Elem, float>::value ? 4 : 8;   // elements per 16-byte copy
+__device__ __forceinline__ bool own_copies_nonfinite(const Elem* dst, int rows, bool vec16, bool bf16) {
+    constexpr int kLd = tile_ld<Elem, DP>();
+    constexpr int kWidth = 16 / int(sizeof(Elem));   // elements per 16-byte copy
     bool bad = false;
     if (vec16) {
         constexpr int kChunks = DP / kWidth;
         for (int i = threadIdx.x; i < rows * kChunks; i += NTHREADS) {
-            const float* x = dst + (i / kChunks) * kLd + (i % kChunks) * kWidth;
+            const Elem* x = dst + (i / kChunks) * kLd + (i % kChunks) * kWidth;
 #pragma unroll
-            for (int e = 0; e < kWidth; ++e) bad |= !isfinite(x[e]);
+            for (int e = 0; e < kWidth; ++e) bad |= nonfinite_value(x[e], bf16);
         }
     } else {
-        for (int i = threadIdx.x; i < rows * DP; i += NTHREADS) bad |= !isfinite(dst[(i / DP) * kLd + i % DP]);
+        for (int i = threadIdx.x; i < rows * DP; i += NTHREADS) bad |= nonfinite_value(dst[(i / DP) * kLd + i % DP], bf16);
     }
     return bad;
 }
 
+// S (16 rows x BN keys) = Q K^T for one warp from fp32 shared memory, `terms` TF32 products per
+// product (mma_terms), k-steps of 8 columns. A tile holding Inf or NaN (`nonfinite`) takes plain
+// fp32 dot products instead: an infinite k gives +-inf scores as in the reference rather than the
+// NaN that inf - tf32(inf) would give. Its loops stay rolled: the path is rare, and unrolling it
+// would multiply the code every instantiation compiles.
+template <int BN, int DP, int LD>
+__device__ __forceinline__ void qk_tf32(float (&s)[BN / 8][4], const float* q_rows, const float* Kt, int D, int terms,
+                                        bool nonfinite, int lane) {
+    constexpr int kNTiles = BN / 8;
+    const int gid = lane >> 2, tig = lane & 3;
+    if (nonfinite) {
+#pragma unroll 1
+        for (int je = 0; je < kNTiles * 4; ++je) {
+            const float* qr = q_rows + (gid + 8 * ((je & 3) >> 1)) * LD;
+            const float* kr = Kt + ((je >> 2) * 8 + 2 * tig + (je & 1)) * LD;
+            float acc = 0.f;
+#pragma unroll 1
+            for (int c = 0; c < D; ++c) acc = fmaf(qr[c], kr[c], acc);
+#pragma unroll
+            for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (je == j * 4 + e) s[j][e] = acc;
+        }
+    }
+    for (int kk = 0; kk < (nonfinite ? 0 : (D + 7) / 8); ++kk) {
+        const float* qa = q_rows + gid * LD + kk * 8 + tig;
+        uint32_t a_big[4], a_small[4];
+        split_tf32(qa[0], a_big[0], a_small[0]);
+        split_tf32(qa[8 * LD], a_big[1], a_small[1]);
+        split_tf32(qa[4], a_big[2], a_small[2]);
+        split_tf32(qa[8 * LD + 4], a_big[3], a_small[3]);
+        float kb[kNTiles][2];
+#pragma unroll
+        for (int j = 0; j < kNTiles; ++j) {
+            const float* src = Kt + (j * 8 + gid) * LD + kk * 8 + tig;
+            kb[j][0] = src[0];
+            kb[j][1] = src[4];
+        }
+        mma_terms<kNTiles>([&](int n) -> float(&)[4] { return s[n]; }, a_big, a_small, kb, terms);
+    }
+}
+
+// O (16 rows x DP) += P V for one warp from fp32 shared memory. The accumulator layout of S is
+// reused as the A operand by reading the k index kappa of the product as key 2*kappa (kappa < 4)
+// or 2*(kappa-4)+1, and V's rows likewise. Each tile's P V is summed from zero and then added to O
+// in ordinary fp32: the tensor core's accumulation does not round to nearest, and feeding it O
+// itself let that bias grow with the number of keys. O n-tiles from `dtiles` on (in groups) are
+// wholly in the zero padding and skipped.
+template <int BN, int DP, int LD>
+__device__ __forceinline__ void pv_tf32(float (&o)[DP / 8][4], const float (&s)[BN / 8][4], const float* Vt, int dtiles,
+                                        int terms, int lane) {
+    constexpr int kNTiles = BN / 8;
+    constexpr int kDTiles = DP / 8;
+    constexpr int kDGroup = 4;   // O n-tiles issued together
+    const int gid = lane >> 2, tig = lane & 3;
+    uint32_t p_big[kNTiles][4], p_small[kNTiles][4];
+#pragma unroll
+    for (int j = 0; j < kNTiles; ++j) {
+        split_tf32(s[j][0], p_big[j][0], p_small[j][0]);
+        split_tf32(s[j][2], p_big[j][1], p_small[j][1]);
+        split_tf32(s[j][1], p_big[j][2], p_small[j][2]);
+        split_tf32(s[j][3], p_big[j][3], p_small[j][3]);
+    }
+#pragma unroll
+    for (int d0 = 0; d0 < kDTiles; d0 += kDGroup) {
+        if (d0 >= dtiles) break;
+        float pv[kDGroup][4];
+#pragma unroll
+        for (int d = 0; d < kDGroup; ++d) pv[d][0] = pv[d][1] = pv[d][2] = pv[d][3] = 0.f;
+#pragma unroll
+        for (int j = 0; j < kNTiles; ++j) {
+            const float* vsrc = Vt + (j * 8 + 2 * tig) * LD + gid;
+            float vb[kDGroup][2];
+#pragma unroll
+            for (int d = 0; d < kDGroup; ++d) {
+                vb[d][0] = vsrc[(d0 + d) * 8];
+                vb[d][1] = vsrc[LD + (d0 + d) * 8];
+            }
+            mma_terms<kDGroup>([&](int n) -> float(&)[4] { return pv[n]; }, p_big[j], p_small[j], vb, terms);
+        }
+#pragma unroll
+        for (int d = 0; d < kDGroup; ++d)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[d0 + d][e] += pv[d][e];
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
-template <typename Elem, int DP, int KW>
-__global__ void __launch_bounds__(TileTraits<DP, KW>::kThreads)
+template <int kDtype, int DP, int KW>
+__global__ void __launch_bounds__(TileTraits<DP, KW, ElemOf<kDtype>>::kThreads)
 gqa_fwd_kernel(const GqaParams p) {
-    using Tr = TileTraits<DP, KW>;
+    using Elem = ElemOf<kDtype>;
+    using Tr = TileTraits<DP, KW, Elem>;
+    constexpr bool kHalf = Tr::kHalf;
+    constexpr bool bf16 = kDtype == kGqaBFloat16;
     constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, LD = Tr::kLd, NT = Tr::kThreads;
     constexpr int TK = Tr::kTileKeys;
     constexpr int kNTiles = BN / 8;   // mma n-tiles of S per K/V tile
-    constexpr int kDTiles = DP / 8;   // mma n-tiles of O (and k-steps of QK^T)
-    constexpr int kDGroup = 4;        // O n-tiles issued together in P.V
+    constexpr int kDTiles = DP / 8;   // mma n-tiles of O
 
     extern __shared__ float4 smem_raw[];
-    float* sQ = reinterpret_cast<float*>(smem_raw);   // [BM][LD]
-    float* sK = sQ + BM * LD;                         // [kStages][TK][LD]
-    float* sV = sK + Tr::kStages * TK * LD;           // [kStages][TK][LD]
+    Elem* sQ = reinterpret_cast<Elem*>(smem_raw);     // [BM][LD]
+    Elem* sK = sQ + BM * LD;                          // [kStages][TK][LD]
+    Elem* sV = sK + Tr::kStages * TK * LD;            // [kStages][TK][LD]
 
     const int G = p.group, T = p.T;
     const int bh_count = p.B * p.Hkv;
@@ -265,7 +427,6 @@ gqa_fwd_kernel(const GqaParams p) {
     const int t_hi = min((r0 + BM - 1) / G, T - 1);
     const int n_kv = t_hi / TK + 1;            // K/V tiles this CTA visits
 
-    const bool bf16 = p.dtype == kGqaBFloat16;   // Half16 storage: bf16 or fp16
     const Elem* q_base = static_cast<const Elem*>(p.q) + b * p.q_stride_b + int64_t(kvh) * G * p.q_stride_h;
     const Elem* k_base = static_cast<const Elem*>(p.k) + b * p.k_stride_b + kvh * p.k_stride_h;
     const Elem* v_base = static_cast<const Elem*>(p.v) + b * p.v_stride_b + kvh * p.v_stride_h;
@@ -283,11 +444,11 @@ gqa_fwd_kernel(const GqaParams p) {
         auto k_row = [&](int r) -> const Elem* { return n0 + r < T ? k_base + int64_t(n0 + r) * p.k_stride_t : nullptr; };
         auto v_row = [&](int r) -> const Elem* { return n0 + r < T ? v_base + int64_t(n0 + r) * p.v_stride_t : nullptr; };
         const int rows = kv_rows(tile);
-        load_rows<Elem, DP, TK, NT>(sK + stage * TK * LD, k_row, k_base, rows, p.D, p.vec16, bf16);
-        load_rows<Elem, DP, TK, NT>(sV + stage * TK * LD, v_row, v_base, rows, p.D, p.vec16, bf16);
+        load_rows<Elem, DP, TK, NT>(sK + stage * TK * LD, k_row, k_base, rows, p.D, p.vec16);
+        load_rows<Elem, DP, TK, NT>(sV + stage * TK * LD, v_row, v_base, rows, p.D, p.vec16);
     };
 
-    load_rows<Elem, DP, BM, NT>(sQ, q_row, q_base, BM, p.D, p.vec16, bf16);
+    load_rows<Elem, DP, BM, NT>(sQ, q_row, q_base, BM, p.D, p.vec16);
     load_kv(0, 0);
     cp_async_commit();
 
@@ -295,11 +456,8 @@ gqa_fwd_kernel(const GqaParams p) {
     const int gid = lane >> 2, tig = lane & 3;   // mma group id (row) and thread in group (column)
     const int wrow = (warp % Tr::kRowWarps) * 16;   // the warp's first row in the tile
     const int wkey = (warp / Tr::kRowWarps) * BN;   // the warp's first key in each K/V tile
-    const int ksteps = (p.D + 7) / 8;            // k-steps that touch real columns
-    // fp16 and bf16 values are exact in TF32, so their products need fewer terms; P is fp32.
-    constexpr bool kHalfIn = std::is_same<Elem, Half16>::value;
-    const int qk_terms = (kHalfIn || p.tf32_single) ? 1 : 3;
-    const int pv_terms = p.tf32_single ? 1 : (kHalfIn ? 2 : 3);
+    const int ksteps = (p.D + 7) / 8;            // 8-column steps that touch real columns
+    const int terms = p.tf32_single ? 1 : 3;     // TF32 products per fp32 product
     const float scale_log2 = p.scale_log2;
 
     // Time step of this thread's two rows (gid and gid + 8 of the warp's 16).
@@ -314,6 +472,15 @@ gqa_fwd_kernel(const GqaParams p) {
     for (int d = 0; d < kDTiles; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
     float m[2] = {-INFINITY, -INFINITY};   // running max of the scaled (log2) scores
     float l[2] = {0.f, 0.f};               // running sum of exp2, this thread's columns only
+    // l and O of row i (gid or gid + 8) times f: online-softmax rescale and key-split merge.
+    auto rescale = [&](int i, float f) {
+        l[i] *= f;
+#pragma unroll
+        for (int d = 0; d < kDTiles; ++d) {
+            o[d][2 * i] *= f;
+            o[d][2 * i + 1] *= f;
+        }
+    };
 
     for (int n = 0; n < n_kv; ++n) {
         if (n + 1 < n_kv) {
@@ -323,56 +490,36 @@ gqa_fwd_kernel(const GqaParams p) {
         } else {
             cp_async_wait<0>();
         }
-        // Inf or NaN anywhere in this K/V tile sends the whole CTA down the exact scalar path below
-        // for it, so that a non-finite value reaches exactly the rows that attend to it.
-        const bool tile_bad = own_copies_nonfinite<Elem, DP, NT>(sK + (n & 1) * TK * LD, kv_rows(n), p.vec16) ||
-                              own_copies_nonfinite<Elem, DP, NT>(sV + (n & 1) * TK * LD, kv_rows(n), p.vec16);
+        // Inf or NaN in this K/V tile sends the whole CTA down the exact scalar path below for it,
+        // so that a non-finite value reaches exactly the rows that attend to it. fp32: anywhere in
+        // K or V (the TF32 split of an infinity is NaN). 16-bit: only in V of a tile that some row
+        // masks (a masked key's 0 * inf in the mma); elsewhere the mma already gives the
+        // reference's values, and masked scores are overwritten.
+        bool tile_bad = false;
+        if constexpr (kHalf) {
+            if (n * TK + TK - 1 > r0 / G)
+                tile_bad = own_copies_nonfinite<Elem, DP, NT>(sV + (n & 1) * TK * LD, kv_rows(n), p.vec16, bf16);
+        } else {
+            tile_bad = own_copies_nonfinite<Elem, DP, NT>(sK + (n & 1) * TK * LD, kv_rows(n), p.vec16, bf16) ||
+                       own_copies_nonfinite<Elem, DP, NT>(sV + (n & 1) * TK * LD, kv_rows(n), p.vec16, bf16);
+        }
         const bool nonfinite = __syncthreads_or(tile_bad);
         const int key0 = n * TK + wkey;   // first key of this warp's slice of the tile
         if (key0 > warp_t_hi) {           // every key of the slice is in the future of every row
             __syncthreads();
             continue;
         }
-        const float* Kt = sK + (n & 1) * TK * LD + wkey * LD;
-        const float* Vt = sV + (n & 1) * TK * LD + wkey * LD;
+        const Elem* Kt = sK + (n & 1) * TK * LD + wkey * LD;
+        const Elem* Vt = sV + (n & 1) * TK * LD + wkey * LD;
 
         // S = Q K^T for the warp's 16 rows and BN keys.
         float s[kNTiles][4];
 #pragma unroll
         for (int j = 0; j < kNTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-        if (nonfinite) {
-            // Plain fp32 dot products: an infinite k gives +-inf scores as in the reference rather
-            // than the NaN that inf - tf32(inf) would give. Rolled loops: this path is rare, and
-            // unrolling it would multiply the code every instantiation compiles.
-#pragma unroll 1
-            for (int je = 0; je < kNTiles * 4; ++je) {
-                const float* qr = sQ + (wrow + gid + 8 * ((je & 3) >> 1)) * LD;
-                const float* kr = Kt + ((je >> 2) * 8 + 2 * tig + (je & 1)) * LD;
-                float acc = 0.f;
-#pragma unroll 1
-                for (int c = 0; c < p.D; ++c) acc = fmaf(qr[c], kr[c], acc);
-#pragma unroll
-                for (int j = 0; j < kNTiles; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        if (je == j * 4 + e) s[j][e] = acc;
-            }
-        }
-        for (int kk = 0; kk < (nonfinite ? 0 : ksteps); ++kk) {
-            const float* qa = sQ + (wrow + gid) * LD + kk * 8 + tig;
-            uint32_t a_big[4], a_small[4];
-            split_tf32(qa[0], a_big[0], a_small[0]);
-            split_tf32(qa[8 * LD], a_big[1], a_small[1]);
-            split_tf32(qa[4], a_big[2], a_small[2]);
-            split_tf32(qa[8 * LD + 4], a_big[3], a_small[3]);
-            float kb[kNTiles][2];
-#pragma unroll
-            for (int j = 0; j < kNTiles; ++j) {
-                const float* src = Kt + (j * 8 + gid) * LD + kk * 8 + tig;
-                kb[j][0] = src[0];
-                kb[j][1] = src[4];
-            }
-            mma_terms<kNTiles>([&](int n) -> float(&)[4] { return s[n]; }, a_big, a_small, kb, qk_terms);
+        if constexpr (kHalf) {
+            qk_16bit<bf16, BN, DP, LD>(s, sQ + wrow * LD, Kt, (p.D + 15) / 16, lane);
+        } else {
+            qk_tf32<BN, DP, LD>(s, sQ + wrow * LD, Kt, p.D, terms, nonfinite, lane);
         }
 
         // Causal mask, only on slices that reach past the warp's first time step.
@@ -398,14 +545,8 @@ gqa_fwd_kernel(const GqaParams p) {
             // -inf only while every key this warp has seen for the row is masked (key-split
             // warps past the row's time step) or when the scores are not finite.
             const float m_ref = m_new == -INFINITY ? 0.f : m_new;
-            const float alpha = fast_exp2(m[i] - m_ref);
+            rescale(i, fast_exp2(m[i] - m_ref));
             m[i] = m_new;
-            l[i] *= alpha;
-#pragma unroll
-            for (int d = 0; d < kDTiles; ++d) {
-                o[d][2 * i] *= alpha;
-                o[d][2 * i + 1] *= alpha;
-            }
 #pragma unroll
             for (int j = 0; j < kNTiles; ++j) {
                 s[j][2 * i] = fast_exp2(fmaf(s[j][2 * i], scale_log2, -m_ref));
@@ -423,7 +564,7 @@ gqa_fwd_kernel(const GqaParams p) {
 #pragma unroll 1
                 for (int kk8 = 0; kk8 < 8; ++kk8) {
                     const int key = key0 + j * 8 + kk8;
-                    const float* vr = Vt + (j * 8 + kk8) * LD + 2 * tig;
+                    const Elem* vr = Vt + (j * 8 + kk8) * LD + 2 * tig;
                     const float own0 = (kk8 & 1) ? s[j][1] : s[j][0];
                     const float own1 = (kk8 & 1) ? s[j][3] : s[j][2];
 #pragma unroll
@@ -433,8 +574,8 @@ gqa_fwd_kernel(const GqaParams p) {
 #pragma unroll
                         for (int d = 0; d < kDTiles; ++d) {
                             if (d >= ksteps) break;
-                            o[d][2 * i] = fmaf(pk, vr[d * 8], o[d][2 * i]);
-                            o[d][2 * i + 1] = fmaf(pk, vr[d * 8 + 1], o[d][2 * i + 1]);
+                            o[d][2 * i] = fmaf(pk, to_float(vr[d * 8], bf16), o[d][2 * i]);
+                            o[d][2 * i + 1] = fmaf(pk, to_float(vr[d * 8 + 1], bf16), o[d][2 * i + 1]);
                         }
                     }
                 }
@@ -442,41 +583,10 @@ gqa_fwd_kernel(const GqaParams p) {
             continue;
         }
 
-        // O += P V. The accumulator layout of S is reused as the A operand by reading the k index
-        // kappa of the product as key 2*kappa (kappa < 4) or 2*(kappa-4)+1, and V's rows likewise.
-        // Each tile's P V is summed from zero and then added to O in ordinary fp32: the tensor
-        // core's accumulation does not round to nearest, and feeding it O itself let that bias
-        // grow with the number of keys.
-        uint32_t p_big[kNTiles][4], p_small[kNTiles][4];
-#pragma unroll
-        for (int j = 0; j < kNTiles; ++j) {
-            split_tf32(s[j][0], p_big[j][0], p_small[j][0]);
-            split_tf32(s[j][2], p_big[j][1], p_small[j][1]);
-            split_tf32(s[j][1], p_big[j][2], p_small[j][2]);
-            split_tf32(s[j][3], p_big[j][3], p_small[j][3]);
-        }
-        // O's n-tiles in groups of kDGroup, skipping groups wholly in the zero padding.
-#pragma unroll
-        for (int d0 = 0; d0 < kDTiles; d0 += kDGroup) {
-            if (d0 >= ksteps) break;
-            float pv[kDGroup][4];
-#pragma unroll
-            for (int d = 0; d < kDGroup; ++d) pv[d][0] = pv[d][1] = pv[d][2] = pv[d][3] = 0.f;
-#pragma unroll
-            for (int j = 0; j < kNTiles; ++j) {
-                const float* vsrc = Vt + (j * 8 + 2 * tig) * LD + gid;
-                float vb[kDGroup][2];
-#pragma unroll
-                for (int d = 0; d < kDGroup; ++d) {
-                    vb[d][0] = vsrc[(d0 + d) * 8];
-                    vb[d][1] = vsrc[LD + (d0 + d) * 8];
-                }
-                mma_terms<kDGroup>([&](int n) -> float(&)[4] { return pv[n]; }, p_big[j], p_small[j], vb, pv_terms);
-            }
-#pragma unroll
-            for (int d = 0; d < kDGroup; ++d)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) o[d0 + d][e] += pv[d][e];
+        if constexpr (kHalf) {
+            pv_16bit<bf16, BN, DP, LD>(o, s, Vt, ksteps, lane);
+        } else {
+            pv_tf32<BN, DP, LD>(o, s, Vt, ksteps, terms, lane);
         }
         __syncthreads();   // the stage is refilled by the next iteration's prefetch
     }
@@ -492,7 +602,7 @@ gqa_fwd_kernel(const GqaParams p) {
         // Lanes of the warps that share rows hold the same (row, column) fragments, so each lane
         // parks its registers at [warp][slot][lane] and the row's first warp reads them back.
         constexpr int kSlots = kDTiles * 4 + 4;
-        float* scratch = sK;   // the K/V buffers are free: the loop ended on a barrier
+        float* scratch = reinterpret_cast<float*>(sK);   // the K/V buffers are free: the loop ended on a barrier
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d)
 #pragma unroll
@@ -510,13 +620,7 @@ gqa_fwd_kernel(const GqaParams p) {
             for (int w = 1; w < KW; ++w)
                 m_all = fmaxf(m_all, scratch[((warp + w * Tr::kRowWarps) * kSlots + kDTiles * 4 + i) * 32 + lane]);
             const float m_ref = m_all == -INFINITY ? 0.f : m_all;
-            const float own = fast_exp2(m[i] - m_ref);
-            l[i] *= own;
-#pragma unroll
-            for (int d = 0; d < kDTiles; ++d) {
-                o[d][2 * i] *= own;
-                o[d][2 * i + 1] *= own;
-            }
+            rescale(i, fast_exp2(m[i] - m_ref));
 #pragma unroll
             for (int w = 1; w < KW; ++w) {
                 const int src = (warp + w * Tr::kRowWarps) * kSlots;
@@ -925,10 +1029,10 @@ cudaError_t launch_rowwise(const GqaParams& p, cudaStream_t stream, int dev) {
     return cudaLaunchKernelEx(&cfg, kernel, p, kc, dv);
 }
 
-template <typename Elem, int DP, int KW>
+template <int kDtype, int DP, int KW>
 cudaError_t launch(const GqaParams& p, cudaStream_t stream, int dev) {
-    using Tr = TileTraits<DP, KW>;
-    auto kernel = gqa_fwd_kernel<Elem, DP, KW>;
+    using Tr = TileTraits<DP, KW, ElemOf<kDtype>>;
+    auto kernel = gqa_fwd_kernel<kDtype, DP, KW>;
     static bool raised[kMaxDevices] = {};
     const cudaError_t err = raise_smem_limit(kernel, Tr::kSmemBytes, dev, raised);
     if (err != cudaSuccess) return err;
@@ -939,32 +1043,32 @@ cudaError_t launch(const GqaParams& p, cudaStream_t stream, int dev) {
     return cudaGetLastError();
 }
 
-// Long sequences walk the keys with 4 row warps; when that leaves the GPU with less than one CTA
-// per SM, the key-split variant trades rows per CTA for 8x shorter key walks.
-template <typename Elem, int DP>
+// Long sequences walk the keys with 4 row warps; in fp32, when that leaves the GPU with less than
+// one CTA per SM, the key-split variant trades rows per CTA for 8x shorter key walks.
+template <int kDtype, int DP>
 cudaError_t launch_best(const GqaParams& p, cudaStream_t stream, int dev) {
-    if constexpr (DP <= 128) {
+    if constexpr (DP <= 128 && kDtype == kGqaFloat32) {
         const int64_t long_blocks = (int64_t(p.T) * p.group + 63) / 64 * p.B * p.Hkv;
-        if (long_blocks < sm_count(dev)) return launch<Elem, DP, 8>(p, stream, dev);
+        if (long_blocks < sm_count(dev)) return launch<kDtype, DP, 8>(p, stream, dev);
     }
-    return launch<Elem, DP, 1>(p, stream, dev);
+    return launch<kDtype, DP, 1>(p, stream, dev);
 }
 
 // Short sequences, and head dims too small to feed a tensor-core tile, take the row-wise kernel.
 constexpr int kRowwiseMaxT = 128;
 constexpr int kRowwiseMaxD = 8;
 
-// The single dispatch: sequence length and head_dim pick the kernel and its compiled width.
-template <typename Elem>
+// The single dispatch: dtype, sequence length and head_dim pick the kernel and its compiled width.
+template <int kDtype>
 cudaError_t dispatch(const GqaParams& p, cudaStream_t stream) {
     int dev = 0;
     const cudaError_t err = cudaGetDevice(&dev);
     if (err != cudaSuccess) return err;
-    if (p.T <= kRowwiseMaxT || p.D <= kRowwiseMaxD) return launch_rowwise<Elem>(p, stream, dev);
-    if (p.D <= 32) return launch_best<Elem, 32>(p, stream, dev);
-    if (p.D <= 64) return launch_best<Elem, 64>(p, stream, dev);
-    if (p.D <= 128) return launch_best<Elem, 128>(p, stream, dev);
-    if (p.D <= 256) return launch_best<Elem, 256>(p, stream, dev);
+    if (p.T <= kRowwiseMaxT || p.D <= kRowwiseMaxD) return launch_rowwise<ElemOf<kDtype>>(p, stream, dev);
+    if (p.D <= 32) return launch_best<kDtype, 32>(p, stream, dev);
+    if (p.D <= 64) return launch_best<kDtype, 64>(p, stream, dev);
+    if (p.D <= 128) return launch_best<kDtype, 128>(p, stream, dev);
+    if (p.D <= 256) return launch_best<kDtype, 256>(p, stream, dev);
     return cudaErrorInvalidValue;
 }
 
@@ -973,9 +1077,9 @@ cudaError_t dispatch(const GqaParams& p, cudaStream_t stream) {
 int gqa_forward(const GqaParams& p, void* stream) {
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     switch (p.dtype) {
-        case kGqaFloat32: return int(dispatch<float>(p, s));
-        case kGqaFloat16:
-        case kGqaBFloat16: return int(dispatch<Half16>(p, s));
+        case kGqaFloat32: return int(dispatch<kGqaFloat32>(p, s));
+        case kGqaFloat16: return int(dispatch<kGqaFloat16>(p, s));
+        case kGqaBFloat16: return int(dispatch<kGqaBFloat16>(p, s));
         default: return int(cudaErrorInvalidValue);
     }
 }
