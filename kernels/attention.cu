@@ -41,8 +41,9 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // Tile configuration, one place. DP is the compiled head_dim width (D is zero-padded up to it).
 // KW is the number of warps that split one K/V tile between them (in-CTA split of the key range).
-//  - KW = 1, "long": 4 warps own 64 query rows and walk the keys together (16-bit inputs with
-//    DP <= 64: 8 warps and 128 rows, which measured 7% faster at head_dim 64).
+//  - KW = 1, "long": 4 warps own 64 query rows and walk the keys together. 16-bit inputs with
+//    DP <= 128 give each warp two m-tiles (32 rows, 128 per CTA), so every K and V fragment read
+//    from shared memory feeds twice the products.
 //  - KW = 8, "short" (fp32 only): 8 warps own the same 16 rows, each takes an eighth of every K/V
 //    tile, and the partial softmax states are merged at the end. A short sequence then has a much
 //    shorter critical path per CTA and 4x more CTAs to spread over the SMs.
@@ -63,10 +64,11 @@ template <typename Elem, int DP> __host__ __device__ constexpr int tile_ld() { r
 
 template <int DP, int KW, typename Elem> struct TileTraits {
     static constexpr bool kHalf = !std::is_same<Elem, float>::value;
-    static constexpr int kWarps = KW == 1 ? (kHalf && DP <= 64 ? 8 : 4) : KW;
+    static constexpr int kWarps = KW == 1 ? 4 : KW;
     static constexpr int kRowWarps = kWarps / KW;        // warps stacked along the query rows
     static constexpr int kThreads = 32 * kWarps;
-    static constexpr int kBlockM = 16 * kRowWarps;       // query rows per CTA: 16 per row warp
+    static constexpr int kMTiles = kHalf && DP <= 128 ? 2 : 1;   // 16-row mma m-tiles per warp
+    static constexpr int kBlockM = 16 * kMTiles * kRowWarps;     // query rows per CTA
     static constexpr int kBlockN = tile_block_n(DP, KW, kHalf);   // keys per warp per tile
     static constexpr int kTileKeys = kBlockN * KW;       // keys per shared-memory stage
     static constexpr int kStages = 2;
@@ -79,6 +81,7 @@ template <int DP, int KW, typename Elem> struct TileTraits {
     static_assert(kBlockN % (kHalf ? 16 : 8) == 0, "kBlockN is a whole number of mma k-steps and n-tiles");
     static_assert(kWarps % KW == 0, "the split warps must divide the CTA");
     static_assert(!kHalf || KW == 1, "16-bit inputs use the long variant only");
+    static_assert(kHalf || kMTiles == 1, "the TF32 products take one m-tile per warp");
     static_assert(KW == 1 || sizeof(float) * kMergeFloats <= sizeof(Elem) * kKvElems,
                   "merge scratch must fit in the K/V buffers");
 };
@@ -191,48 +194,62 @@ template <bool kBf16> __device__ __forceinline__ uint32_t pack_16bit(float lo, f
     }
 }
 
-// S (16 rows x BN keys) = Q K^T for one warp from 16-bit shared memory, k-steps of 16 columns.
-// One ldmatrix gives the A fragment (rows 0-7 / 8-15, columns 0-7 / 8-15), another the B fragments
-// of two 8-key n-tiles (K rows are B's columns, so no transpose).
-template <bool kBf16, int BN, int DP, int LD>
-__device__ __forceinline__ void qk_16bit(float (&s)[BN / 8][4], const uint16_t* q_rows, const uint16_t* k_rows, int ksteps,
-                                         int lane) {
+// S (MT m-tiles of 16 rows x BN keys) = Q K^T for one warp from 16-bit shared memory, k-steps of
+// 16 columns. One ldmatrix gives an m-tile's A fragment (rows 0-7 / 8-15, columns 0-7 / 8-15),
+// another the B fragments of two 8-key n-tiles (K rows are B's columns, so no transpose), which
+// every m-tile uses.
+template <bool kBf16, int BN, int DP, int LD, int MT>
+__device__ __forceinline__ void qk_16bit(float (&s)[MT][BN / 8][4], const uint16_t* q_rows, const uint16_t* k_rows,
+                                         int ksteps, int lane) {
     const uint16_t* qa = q_rows + (lane & 15) * LD + 8 * (lane >> 4);
     const uint16_t* kb = k_rows + ((lane & 7) + 8 * (lane >> 4)) * LD + 8 * ((lane >> 3) & 1);
 #pragma unroll
     for (int kk = 0; kk < DP / 16; ++kk) {
         if (kk >= ksteps) break;
-        uint32_t a[4];
-        ldmatrix_x4(a, qa + kk * 16);
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int t = 0; t < MT; ++t) ldmatrix_x4(a[t], qa + t * 16 * LD + kk * 16);
 #pragma unroll
         for (int j = 0; j < BN / 8; j += 2) {
             uint32_t b[4];
             ldmatrix_x4(b, kb + j * 8 * LD + kk * 16);
-            mma_16bit<kBf16>(s[j], a, b[0], b[1]);
-            mma_16bit<kBf16>(s[j + 1], a, b[2], b[3]);
+#pragma unroll
+            for (int t = 0; t < MT; ++t) {
+                mma_16bit<kBf16>(s[t][j], a[t], b[0], b[1]);
+                mma_16bit<kBf16>(s[t][j + 1], a[t], b[2], b[3]);
+            }
         }
     }
 }
 
-// O (16 rows x DP) += P V for one warp. The A fragment of a 16-key step is the S accumulators of
-// two adjacent 8-key n-tiles, rounded to 16 bits; V's fragments come from a transposing ldmatrix,
-// two O n-tiles per load. O n-tiles wholly in the zero padding (from `dtiles` on, in pairs) are skipped.
-template <bool kBf16, int BN, int DP, int LD>
-__device__ __forceinline__ void pv_16bit(float (&o)[DP / 8][4], const float (&s)[BN / 8][4], const uint16_t* v_rows,
-                                         int dtiles, int lane) {
+// O (MT m-tiles of 16 rows x DP) += P V for one warp. The A fragment of a 16-key step is the S
+// accumulators of two adjacent 8-key n-tiles, rounded to 16 bits; V's fragments come from a
+// transposing ldmatrix, two O n-tiles per load, used by every m-tile. O n-tiles wholly in the zero
+// padding (from `dtiles` on, in pairs) are skipped.
+template <bool kBf16, int BN, int DP, int LD, int MT>
+__device__ __forceinline__ void pv_16bit(float (&o)[MT][DP / 8][4], const float (&s)[MT][BN / 8][4],
+                                         const uint16_t* v_rows, int dtiles, int lane) {
     const uint16_t* vb = v_rows + ((lane & 7) + 8 * ((lane >> 3) & 1)) * LD + 8 * (lane >> 4);
 #pragma unroll
     for (int ks = 0; ks < BN / 16; ++ks) {
-        const uint32_t a[4] = {pack_16bit<kBf16>(s[2 * ks][0], s[2 * ks][1]), pack_16bit<kBf16>(s[2 * ks][2], s[2 * ks][3]),
-                               pack_16bit<kBf16>(s[2 * ks + 1][0], s[2 * ks + 1][1]),
-                               pack_16bit<kBf16>(s[2 * ks + 1][2], s[2 * ks + 1][3])};
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int t = 0; t < MT; ++t) {
+            a[t][0] = pack_16bit<kBf16>(s[t][2 * ks][0], s[t][2 * ks][1]);
+            a[t][1] = pack_16bit<kBf16>(s[t][2 * ks][2], s[t][2 * ks][3]);
+            a[t][2] = pack_16bit<kBf16>(s[t][2 * ks + 1][0], s[t][2 * ks + 1][1]);
+            a[t][3] = pack_16bit<kBf16>(s[t][2 * ks + 1][2], s[t][2 * ks + 1][3]);
+        }
 #pragma unroll
         for (int d = 0; d < DP / 8; d += 2) {
             if (d >= dtiles) break;
             uint32_t b[4];
             ldmatrix_x4_trans(b, vb + ks * 16 * LD + d * 8);
-            mma_16bit<kBf16>(o[d], a, b[0], b[1]);
-            mma_16bit<kBf16>(o[d + 1], a, b[2], b[3]);
+#pragma unroll
+            for (int t = 0; t < MT; ++t) {
+                mma_16bit<kBf16>(o[t][d], a[t], b[0], b[1]);
+                mma_16bit<kBf16>(o[t][d + 1], a[t], b[2], b[3]);
+            }
         }
     }
 }
@@ -411,6 +428,8 @@ gqa_fwd_kernel(const GqaParams p) {
     constexpr int TK = Tr::kTileKeys;
     constexpr int kNTiles = BN / 8;   // mma n-tiles of S per K/V tile
     constexpr int kDTiles = DP / 8;   // mma n-tiles of O
+    constexpr int MT = Tr::kMTiles;   // 16-row m-tiles per warp
+    constexpr int kRows = 2 * MT;     // rows per thread: gid and gid + 8 of each m-tile
 
     extern __shared__ float4 smem_raw[];
     Elem* sQ = reinterpret_cast<Elem*>(smem_raw);     // [BM][LD]
@@ -457,31 +476,39 @@ gqa_fwd_kernel(const GqaParams p) {
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int gid = lane >> 2, tig = lane & 3;   // mma group id (row) and thread in group (column)
-    const int wrow = (warp % Tr::kRowWarps) * 16;   // the warp's first row in the tile
+    const int wrow = (warp % Tr::kRowWarps) * 16 * MT;   // the warp's first row in the tile
     const int wkey = (warp / Tr::kRowWarps) * BN;   // the warp's first key in each K/V tile
     const int ksteps = (p.D + 7) / 8;            // 8-column steps that touch real columns
     const int terms = p.tf32_single ? 1 : 3;     // TF32 products per fp32 product
     const float scale_log2 = p.scale_log2;
 
-    // Time step of this thread's two rows (gid and gid + 8 of the warp's 16).
-    int row_t[2];
+    // This thread's rows: row r is gid + 8 * (r % 2) of m-tile r / 2, i.e. fragment half r % 2 of
+    // the m-tile's accumulators.
+    auto row_of = [&](int r) { return r0 + wrow + 16 * (r >> 1) + gid + 8 * (r & 1); };
+    int row_t[kRows];   // time step of each row
 #pragma unroll
-    for (int i = 0; i < 2; ++i) row_t[i] = (r0 + wrow + gid + 8 * i) / G;
+    for (int r = 0; r < kRows; ++r) row_t[r] = row_of(r) / G;
     const int warp_t_lo = (r0 + wrow) / G;
-    const int warp_t_hi = min((r0 + wrow + 15) / G, T - 1);   // rows past T are padding
+    const int warp_t_hi = min((r0 + wrow + 16 * MT - 1) / G, T - 1);   // rows past T are padding
 
-    float o[kDTiles][4];
+    float o[MT][kDTiles][4];
 #pragma unroll
-    for (int d = 0; d < kDTiles; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
-    float m[2] = {-INFINITY, -INFINITY};   // running max of the scaled (log2) scores
-    float l[2] = {0.f, 0.f};               // running sum of exp2, this thread's columns only
-    // l and O of row i (gid or gid + 8) times f: online-softmax rescale and key-split merge.
-    auto rescale = [&](int i, float f) {
-        l[i] *= f;
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+        for (int d = 0; d < kDTiles; ++d) o[t][d][0] = o[t][d][1] = o[t][d][2] = o[t][d][3] = 0.f;
+    float m[kRows], l[kRows];   // running max of the scaled (log2) scores; running sum of exp2,
+#pragma unroll                  // this thread's columns only
+    for (int r = 0; r < kRows; ++r) {
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+    }
+    // l and O of row r times f: online-softmax rescale and key-split merge.
+    auto rescale = [&](int r, float f) {
+        l[r] *= f;
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
-            o[d][2 * i] *= f;
-            o[d][2 * i + 1] *= f;
+            o[r >> 1][d][2 * (r & 1)] *= f;
+            o[r >> 1][d][2 * (r & 1) + 1] *= f;
         }
     };
 
@@ -515,46 +542,52 @@ gqa_fwd_kernel(const GqaParams p) {
         const Elem* Kt = sK + (n & 1) * TK * LD + wkey * LD;
         const Elem* Vt = sV + (n & 1) * TK * LD + wkey * LD;
 
-        // S = Q K^T for the warp's 16 rows and BN keys.
-        float s[kNTiles][4];
+        // S = Q K^T for the warp's rows and BN keys.
+        float s[MT][kNTiles][4];
 #pragma unroll
-        for (int j = 0; j < kNTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+        for (int t = 0; t < MT; ++t)
+#pragma unroll
+            for (int j = 0; j < kNTiles; ++j) s[t][j][0] = s[t][j][1] = s[t][j][2] = s[t][j][3] = 0.f;
         if constexpr (kHalf) {
-            qk_16bit<bf16, BN, DP, LD>(s, sQ + wrow * LD, Kt, (p.D + 15) / 16, lane);
+            qk_16bit<bf16, BN, DP, LD, MT>(s, sQ + wrow * LD, Kt, (p.D + 15) / 16, lane);
         } else {
-            qk_tf32<BN, DP, LD>(s, sQ + wrow * LD, Kt, p.D, terms, nonfinite, lane);
+            qk_tf32<BN, DP, LD>(s[0], sQ + wrow * LD, Kt, p.D, terms, nonfinite, lane);
         }
 
         // Causal mask, only on slices that reach past the warp's first time step.
         if (key0 + BN - 1 > warp_t_lo) {
 #pragma unroll
-            for (int j = 0; j < kNTiles; ++j)
+            for (int t = 0; t < MT; ++t)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = key0 + j * 8 + 2 * tig + (e & 1);
-                    if (key > row_t[e >> 1]) s[j][e] = -INFINITY;
-                }
+                for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int key = key0 + j * 8 + 2 * tig + (e & 1);
+                        if (key > row_t[2 * t + (e >> 1)]) s[t][j][e] = -INFINITY;
+                    }
         }
 
         // Online softmax: rescale the running state to the new row max, then P = exp2(S' - m).
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
+        for (int r = 0; r < kRows; ++r) {
+            float(&st)[kNTiles][4] = s[r >> 1];
+            const int h = 2 * (r & 1);   // the row's first accumulator in each n-tile
             float mx = -INFINITY;
 #pragma unroll
-            for (int j = 0; j < kNTiles; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * i], s[j][2 * i + 1]));
+            for (int j = 0; j < kNTiles; ++j) mx = fmaxf(mx, fmaxf(st[j][h], st[j][h + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(m[i], mx * scale_log2);
+            const float m_new = fmaxf(m[r], mx * scale_log2);
             // -inf only while every key this warp has seen for the row is masked (key-split
             // warps past the row's time step) or when the scores are not finite.
             const float m_ref = m_new == -INFINITY ? 0.f : m_new;
-            rescale(i, fast_exp2(m[i] - m_ref));
-            m[i] = m_new;
+            rescale(r, fast_exp2(m[r] - m_ref));
+            m[r] = m_new;
 #pragma unroll
             for (int j = 0; j < kNTiles; ++j) {
-                s[j][2 * i] = fast_exp2(fmaf(s[j][2 * i], scale_log2, -m_ref));
-                s[j][2 * i + 1] = fast_exp2(fmaf(s[j][2 * i + 1], scale_log2, -m_ref));
-                l[i] += s[j][2 * i] + s[j][2 * i + 1];
+                st[j][h] = fast_exp2(fmaf(st[j][h], scale_log2, -m_ref));
+                st[j][h + 1] = fast_exp2(fmaf(st[j][h + 1], scale_log2, -m_ref));
+                l[r] += st[j][h] + st[j][h + 1];
             }
         }
 
@@ -563,53 +596,57 @@ gqa_fwd_kernel(const GqaParams p) {
             // p for (row, key) lives in the quad lane that holds the key's column of S. The loop over
             // the 8 keys of an n-tile stays rolled (code size) and picks its S register by a select.
 #pragma unroll
-            for (int j = 0; j < kNTiles; ++j)
+            for (int t = 0; t < MT; ++t)
+#pragma unroll
+                for (int j = 0; j < kNTiles; ++j)
 #pragma unroll 1
-                for (int kk8 = 0; kk8 < 8; ++kk8) {
-                    const int key = key0 + j * 8 + kk8;
-                    const Elem* vr = Vt + (j * 8 + kk8) * LD + 2 * tig;
-                    const float own0 = (kk8 & 1) ? s[j][1] : s[j][0];
-                    const float own1 = (kk8 & 1) ? s[j][3] : s[j][2];
+                    for (int kk8 = 0; kk8 < 8; ++kk8) {
+                        const int key = key0 + j * 8 + kk8;
+                        const Elem* vr = Vt + (j * 8 + kk8) * LD + 2 * tig;
+                        const float own0 = (kk8 & 1) ? s[t][j][1] : s[t][j][0];
+                        const float own1 = (kk8 & 1) ? s[t][j][3] : s[t][j][2];
 #pragma unroll
-                    for (int i = 0; i < 2; ++i) {
-                        const float pk = __shfl_sync(0xffffffffu, i ? own1 : own0, (lane & ~3) | (kk8 >> 1));
-                        if (key > row_t[i]) continue;
+                        for (int i = 0; i < 2; ++i) {
+                            const float pk = __shfl_sync(0xffffffffu, i ? own1 : own0, (lane & ~3) | (kk8 >> 1));
+                            if (key > row_t[2 * t + i]) continue;
 #pragma unroll
-                        for (int d = 0; d < kDTiles; ++d) {
-                            if (d >= ksteps) break;
-                            o[d][2 * i] = fmaf(pk, to_float(vr[d * 8], bf16), o[d][2 * i]);
-                            o[d][2 * i + 1] = fmaf(pk, to_float(vr[d * 8 + 1], bf16), o[d][2 * i + 1]);
+                            for (int d = 0; d < kDTiles; ++d) {
+                                if (d >= ksteps) break;
+                                o[t][d][2 * i] = fmaf(pk, to_float(vr[d * 8], bf16), o[t][d][2 * i]);
+                                o[t][d][2 * i + 1] = fmaf(pk, to_float(vr[d * 8 + 1], bf16), o[t][d][2 * i + 1]);
+                            }
                         }
                     }
-                }
             __syncthreads();
             continue;
         }
 
         if constexpr (kHalf) {
-            pv_16bit<bf16, BN, DP, LD>(o, s, Vt, ksteps, lane);
+            pv_16bit<bf16, BN, DP, LD, MT>(o, s, Vt, ksteps, lane);
         } else {
-            pv_tf32<BN, DP, LD>(o, s, Vt, ksteps, terms, lane);
+            pv_tf32<BN, DP, LD>(o[0], s[0], Vt, ksteps, terms, lane);
         }
         __syncthreads();   // the stage is refilled by the next iteration's prefetch
     }
 
     // Epilogue: finish l across the quad that shares a row.
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+    for (int r = 0; r < kRows; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
     }
     if constexpr (KW > 1) {
         // Merge the key-split warps' states: O = sum_w 2^(m_w - M) O_w, l likewise, M = max_w m_w.
         // Lanes of the warps that share rows hold the same (row, column) fragments, so each lane
         // parks its registers at [warp][slot][lane] and the row's first warp reads them back.
+        // (One m-tile per warp here: the key split is fp32 only.)
+        static_assert(MT == 1, "the key split merges one m-tile per warp");
         constexpr int kSlots = kDTiles * 4 + 4;
         float* scratch = reinterpret_cast<float*>(sK);   // the K/V buffers are free: the loop ended on a barrier
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) scratch[(warp * kSlots + d * 4 + e) * 32 + lane] = o[d][e];
+            for (int e = 0; e < 4; ++e) scratch[(warp * kSlots + d * 4 + e) * 32 + lane] = o[0][d][e];
         scratch[(warp * kSlots + kDTiles * 4 + 0) * 32 + lane] = m[0];
         scratch[(warp * kSlots + kDTiles * 4 + 1) * 32 + lane] = m[1];
         scratch[(warp * kSlots + kDTiles * 4 + 2) * 32 + lane] = l[0];
@@ -631,8 +668,8 @@ gqa_fwd_kernel(const GqaParams p) {
                 l[i] += c * scratch[(src + kDTiles * 4 + 2 + i) * 32 + lane];
 #pragma unroll
                 for (int d = 0; d < kDTiles; ++d) {
-                    o[d][2 * i] += c * scratch[(src + d * 4 + 2 * i) * 32 + lane];
-                    o[d][2 * i + 1] += c * scratch[(src + d * 4 + 2 * i + 1) * 32 + lane];
+                    o[0][d][2 * i] += c * scratch[(src + d * 4 + 2 * i) * 32 + lane];
+                    o[0][d][2 * i + 1] += c * scratch[(src + d * 4 + 2 * i + 1) * 32 + lane];
                 }
             }
         }
@@ -641,17 +678,19 @@ gqa_fwd_kernel(const GqaParams p) {
     // Normalise and store.
     Elem* o_base = static_cast<Elem*>(p.o) + b * p.o_stride_b + int64_t(kvh) * G * p.o_stride_h;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const float inv = 1.f / l[i];
-        const int R = r0 + wrow + gid + 8 * i;
+    for (int r = 0; r < kRows; ++r) {
+        const float inv = 1.f / l[r];
+        const int R = row_of(r);
         if (R >= rows_total) continue;
         const int t = R / G;
         Elem* dst = o_base + int64_t(t) * p.o_stride_t + int64_t(R - t * G) * p.o_stride_h;
+        const float(&ot)[kDTiles][4] = o[r >> 1];
+        const int h = 2 * (r & 1);
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
             const int c = d * 8 + 2 * tig;
-            if (c < p.D) dst[c] = from_float<Elem>(o[d][2 * i] * inv, bf16);
-            if (c + 1 < p.D) dst[c + 1] = from_float<Elem>(o[d][2 * i + 1] * inv, bf16);
+            if (c < p.D) dst[c] = from_float<Elem>(ot[d][h] * inv, bf16);
+            if (c + 1 < p.D) dst[c + 1] = from_float<Elem>(ot[d][h + 1] * inv, bf16);
         }
     }
 }
