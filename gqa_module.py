@@ -95,15 +95,18 @@ def _cuda_home():
 
 def _arch_flags():
     """nvcc target flags: TORCH_CUDA_ARCH_LIST when set (torch applies it), else the GPU present,
-    else sm_90, the project's main target, so a machine without a GPU can still build."""
-    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
-        return [], os.environ["TORCH_CUDA_ARCH_LIST"].replace(";", "_").replace(" ", "_").replace(".", "")
+    else sm_90a, the project's main target, so a machine without a GPU can still build. An sm_90
+    GPU gets sm_90a (wgmma); a build for sm_90a alone defines GQA_SM90A, which enables that path."""
+    wanted = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if wanted:
+        archs = wanted.replace(";", " ").split()
+        return (["-DGQA_SM90A"] if archs == ["9.0a"] else []), "_".join(a.replace(".", "") for a in archs)
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
-        sm = "%d%d" % (major, minor)
+        sm = "%d%d" % (major, minor) + ("a" if (major, minor) == (9, 0) else "")
     else:
-        sm = "90"
-    return ["-gencode=arch=compute_%s,code=sm_%s" % (sm, sm)], sm
+        sm = "90a"
+    return ["-gencode=arch=compute_%s,code=sm_%s" % (sm, sm)] + (["-DGQA_SM90A"] if sm == "90a" else []), sm
 
 
 # ------------------------------------------------------------------------------------------------

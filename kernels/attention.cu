@@ -62,19 +62,22 @@ template <int kDtype> using ElemOf = typename std::conditional<kDtype == kGqaFlo
 // row by an odd number of 16-byte units, so the 8 rows an ldmatrix reads hit distinct banks.
 template <typename Elem, int DP> __host__ __device__ constexpr int tile_ld() { return std::is_same<Elem, float>::value ? DP + 4 : DP + 8; }
 
-template <int DP, int KW, typename Elem> struct TileTraits {
+// kWg: the sm_90a variant for 16-bit inputs (head_dim 64 and 128): two warpgroups of 64 rows,
+// both products on wgmma, Q, K and V in 128-byte-swizzled shared memory (no padding).
+template <int DP, int KW, typename Elem, bool kWg = false> struct TileTraits {
     static constexpr bool kHalf = !std::is_same<Elem, float>::value;
-    static constexpr int kWarps = KW == 1 ? 4 : KW;
+    static constexpr int kWarps = kWg ? 8 : KW == 1 ? 4 : KW;
     static constexpr int kRowWarps = kWarps / KW;        // warps stacked along the query rows
     static constexpr int kThreads = 32 * kWarps;
-    static constexpr int kMTiles = kHalf && DP <= 128 ? 2 : 1;   // 16-row mma m-tiles per warp
+    static constexpr int kMTiles = !kWg && kHalf && DP <= 128 ? 2 : 1;   // 16-row mma m-tiles per warp
     static constexpr int kBlockM = 16 * kMTiles * kRowWarps;     // query rows per CTA
-    static constexpr int kBlockN = tile_block_n(DP, KW, kHalf);   // keys per warp per tile
+    static constexpr int kBlockN = kWg ? 64 : tile_block_n(DP, KW, kHalf);   // keys per warp per tile
     static constexpr int kTileKeys = kBlockN * KW;       // keys per shared-memory stage
     static constexpr int kStages = 2;
-    static constexpr int kLd = tile_ld<Elem, DP>();
+    static constexpr int kLd = kWg ? DP : tile_ld<Elem, DP>();   // swizzled rows carry no padding
     static constexpr size_t kKvElems = size_t(2) * kStages * kTileKeys * kLd;
-    static constexpr size_t kSmemBytes = sizeof(Elem) * (size_t(kLd) * kBlockM + kKvElems);
+    // wgmma: 1024 bytes of slack to align the swizzled tiles.
+    static constexpr size_t kSmemBytes = sizeof(Elem) * (size_t(kLd) * kBlockM + kKvElems) + (kWg ? 1024 : 0);
     // The key-split merge reuses the K/V buffers: per warp, each lane's O fragment plus (m, l).
     static constexpr size_t kMergeFloats = size_t(kWarps) * 32 * (DP / 2 + 4);
     static_assert(DP % 32 == 0, "compiled head_dim widths are multiples of 32");
@@ -82,6 +85,7 @@ template <int DP, int KW, typename Elem> struct TileTraits {
     static_assert(kWarps % KW == 0, "the split warps must divide the CTA");
     static_assert(!kHalf || KW == 1, "16-bit inputs use the long variant only");
     static_assert(kHalf || kMTiles == 1, "the TF32 products take one m-tile per warp");
+    static_assert(!kWg || (kHalf && KW == 1 && (DP == 64 || DP == 128)), "wgmma: 16-bit, head_dim 64 or 128");
     static_assert(KW == 1 || sizeof(float) * kMergeFloats <= sizeof(Elem) * kKvElems,
                   "merge scratch must fit in the K/V buffers");
 };
@@ -254,6 +258,126 @@ __device__ __forceinline__ void pv_16bit(float (&o)[MT][DP / 8][4], const float 
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// sm_90a: wgmma, the warpgroup (4 warps, 64 rows) MMA. Its shared-memory operands use the 128-byte
+// swizzle: a tile of `rows` rows of 16-bit values is stored as 64-column blocks of [rows][128 bytes],
+// and 16-byte chunk c of row r sits at chunk c ^ (r % 8). A descriptor gives a block's start (the
+// block is 1024-byte aligned), the step between 8-row groups (1024 bytes) and the swizzle mode.
+// The accumulator layout per warp is the mma.sync m16n8 layout repeated over the n-tiles, and a
+// register A operand is the m16n8k16 A fragment, so the softmax and P packing are shared.
+__host__ __device__ constexpr uint32_t sw128_offset(int r, int c, int rows) {   // bytes, element (r, c)
+    return uint32_t((c / 64) * rows * 128 + r * 128 + ((((c % 64) / 8) ^ (r % 8)) * 16) + (c % 8) * 2);
+}
+[[maybe_unused]] __device__ __forceinline__ uint64_t wg_desc(const void* smem, uint32_t lbo, uint32_t sbo) {
+    const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    return uint64_t((a & 0x3FFFF) >> 4) | (uint64_t((lbo & 0x3FFFF) >> 4) << 16) | (uint64_t((sbo & 0x3FFFF) >> 4) << 32) |
+           (uint64_t(1) << 62);
+}
+[[maybe_unused]] __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+[[maybe_unused]] __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+[[maybe_unused]] __device__ __forceinline__ void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Makes this thread's ordinary shared-memory writes (cp.async included) visible to wgmma's reads.
+[[maybe_unused]] __device__ __forceinline__ void fence_async_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+template <bool kBf16>
+__device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], uint64_t da, uint64_t db, int accumulate) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (kBf16) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                     : "l"(da), "l"(db), "r"(accumulate));
+    } else {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                     : "l"(da), "l"(db), "r"(accumulate));
+    }
+#else
+    __trap();
+#endif
+}
+template <bool kBf16>
+__device__ __forceinline__ void wgmma_rs_tb_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int accumulate) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (kBf16) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+    } else {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+    }
+#else
+    __trap();
+#endif
+}
+template <bool kBf16>
+__device__ __forceinline__ void wgmma_rs_tb_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t db, int accumulate) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    if constexpr (kBf16) {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+    } else {
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+    }
+#else
+    __trap();
+#endif
+}
+
+// S (the warpgroup's 64 rows x 64 keys; each warp holds its 16 rows as s[8][4]) = Q K^T. Q is a
+// swizzled tile of QR rows whose warpgroup rows start at `q_row0`, K a swizzled tile of KR rows.
+template <bool kBf16, int DP, int QR, int KR>
+__device__ __forceinline__ void qk_wgmma(float (&s)[8][4], const uint16_t* q_tile, int q_row0, const uint16_t* k_tile,
+                                         int ksteps) {
+    const unsigned char* qb = reinterpret_cast<const unsigned char*>(q_tile) + q_row0 * 128;
+    const unsigned char* kb = reinterpret_cast<const unsigned char*>(k_tile);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < DP / 16; ++kk) {
+        if (kk >= ksteps) break;
+        const int blk = kk / 4, col = (kk % 4) * 32;   // 64-column block, byte offset of the k-step
+        wgmma_ss_n64<kBf16>(reinterpret_cast<float(&)[32]>(s), wg_desc(qb + blk * QR * 128 + col, 16, 1024),
+                            wg_desc(kb + blk * KR * 128 + col, 16, 1024), kk > 0);
+    }
+    wg_commit();
+    wg_wait_all();
+}
+
+// O (the warpgroup's 64 rows x DP) += P V. P comes from the S accumulators rounded to 16 bits;
+// V is a swizzled tile of KR rows (keys) read N-major (transposed) by the instruction: 8-key
+// groups 1024 bytes apart, 64-column blocks KR * 128 bytes apart. (Which descriptor field takes
+// which of the two strides for an N-major operand is checked by a layout probe on the device.)
+template <bool kBf16, int DP, int KR>
+__device__ __forceinline__ void pv_wgmma(float (&o)[DP / 8][4], const float (&s)[8][4], const uint16_t* v_tile) {
+    const unsigned char* vb = reinterpret_cast<const unsigned char*>(v_tile);
+    uint32_t a[4][4];
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+        a[ks][0] = pack_16bit<kBf16>(s[2 * ks][0], s[2 * ks][1]);
+        a[ks][1] = pack_16bit<kBf16>(s[2 * ks][2], s[2 * ks][3]);
+        a[ks][2] = pack_16bit<kBf16>(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+        a[ks][3] = pack_16bit<kBf16>(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+    }
+    wg_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+        const uint64_t db = wg_desc(vb + ks * 16 * 128, KR * 128, 1024);
+        if constexpr (DP == 64) wgmma_rs_tb_n64<kBf16>(reinterpret_cast<float(&)[32]>(o), a[ks], db, 1);
+        else wgmma_rs_tb_n128<kBf16>(reinterpret_cast<float(&)[64]>(o), a[ks], db, 1);
+    }
+    wg_commit();
+    wg_wait_all();
+}
+
 // Element I/O. fp16 and bf16 travel as raw 16-bit storage; the row-wise kernel takes their kind as
 // a run-time flag (uniform across the grid), the tiled kernel as its template parameter.
 __device__ __forceinline__ float to_float(float x, bool) { return x; }
@@ -272,9 +396,11 @@ template <> __device__ __forceinline__ Half16 from_float<Half16>(float x, bool b
 // sequence): zeros there keep the padded products exact and keep garbage out of P.V.
 // With every row start 16-byte aligned, 16-byte cp.async copies; otherwise 4-byte cp.async for
 // fp32 and synchronous element copies for 16-bit types.
-template <typename Elem, int DP, int ROWS, int NTHREADS, typename RowPtr>
+// kSw: the 128-byte-swizzled layout of the wgmma variant (tile of ROWS rows) instead of the padded pitch.
+template <typename Elem, int DP, int ROWS, int NTHREADS, bool kSw = false, typename RowPtr>
 __device__ __forceinline__ void load_rows(Elem* dst, RowPtr row_ptr, const Elem* any_valid, int rows, int D, bool vec16) {
     constexpr int kLd = tile_ld<Elem, DP>();
+    auto at = [](int r, int c) { return kSw ? int(sw128_offset(r, c, ROWS) / sizeof(Elem)) : r * kLd + c; };
     if (vec16) {
         constexpr int kWidth = 16 / int(sizeof(Elem));   // elements per 16-byte copy
         constexpr int kChunks = DP / kWidth;
@@ -283,7 +409,7 @@ __device__ __forceinline__ void load_rows(Elem* dst, RowPtr row_ptr, const Elem*
             const int r = i / kChunks, c = (i % kChunks) * kWidth;
             const Elem* src = row_ptr(r);
             const bool ok = src != nullptr && c < D;
-            cp_async16(dst + r * kLd + c, ok ? src + c : any_valid, ok ? 16 : 0);
+            cp_async16(dst + at(r, c), ok ? src + c : any_valid, ok ? 16 : 0);
         }
     } else if constexpr (std::is_same<Elem, float>::value) {
 #pragma unroll 4
@@ -291,13 +417,13 @@ __device__ __forceinline__ void load_rows(Elem* dst, RowPtr row_ptr, const Elem*
             const int r = i / DP, c = i % DP;
             const float* src = row_ptr(r);
             const bool ok = src != nullptr && c < D;
-            cp_async4(dst + r * kLd + c, ok ? src + c : any_valid, ok ? 4 : 0);
+            cp_async4(dst + at(r, c), ok ? src + c : any_valid, ok ? 4 : 0);
         }
     } else {
         for (int i = threadIdx.x; i < rows * DP; i += NTHREADS) {
             const int r = i / DP, c = i % DP;
             const Elem* src = row_ptr(r);
-            dst[r * kLd + c] = (src != nullptr && c < D) ? src[c] : Elem(0);
+            dst[at(r, c)] = (src != nullptr && c < D) ? src[c] : Elem(0);
         }
     }
 }
@@ -310,20 +436,21 @@ __device__ __forceinline__ bool nonfinite_value(Half16 x, bool bf16) {
 // True if any value this thread copied with load_rows (same arguments, same thread mapping) is
 // not finite. Reading back only its own copies needs no barrier: cp.async.wait_group (or the
 // plain stores of the synchronous path) already made them visible to this thread.
-template <typename Elem, int DP, int NTHREADS>
+template <typename Elem, int DP, int ROWS, int NTHREADS, bool kSw = false>
 __device__ __forceinline__ bool own_copies_nonfinite(const Elem* dst, int rows, bool vec16, bool bf16) {
     constexpr int kLd = tile_ld<Elem, DP>();
     constexpr int kWidth = 16 / int(sizeof(Elem));   // elements per 16-byte copy
+    auto at = [](int r, int c) { return kSw ? int(sw128_offset(r, c, ROWS) / sizeof(Elem)) : r * kLd + c; };
     bool bad = false;
     if (vec16) {
         constexpr int kChunks = DP / kWidth;
         for (int i = threadIdx.x; i < rows * kChunks; i += NTHREADS) {
-            const Elem* x = dst + (i / kChunks) * kLd + (i % kChunks) * kWidth;
+            const Elem* x = dst + at(i / kChunks, (i % kChunks) * kWidth);   // a 16-byte chunk stays whole
 #pragma unroll
             for (int e = 0; e < kWidth; ++e) bad |= nonfinite_value(x[e], bf16);
         }
     } else {
-        for (int i = threadIdx.x; i < rows * DP; i += NTHREADS) bad |= nonfinite_value(dst[(i / DP) * kLd + i % DP], bf16);
+        for (int i = threadIdx.x; i < rows * DP; i += NTHREADS) bad |= nonfinite_value(dst[at(i / DP, i % DP)], bf16);
     }
     return bad;
 }
@@ -417,11 +544,11 @@ __device__ __forceinline__ void pv_tf32(float (&o)[DP / 8][4], const float (&s)[
 }
 
 // ---------------------------------------------------------------------------------------------
-template <int kDtype, int DP, int KW>
-__global__ void __launch_bounds__(TileTraits<DP, KW, ElemOf<kDtype>>::kThreads)
+template <int kDtype, int DP, int KW, bool kWg>
+__global__ void __launch_bounds__(TileTraits<DP, KW, ElemOf<kDtype>, kWg>::kThreads)
 gqa_fwd_kernel(const GqaParams p) {
     using Elem = ElemOf<kDtype>;
-    using Tr = TileTraits<DP, KW, Elem>;
+    using Tr = TileTraits<DP, KW, Elem, kWg>;
     constexpr bool kHalf = Tr::kHalf;
     constexpr bool bf16 = kDtype == kGqaBFloat16;
     constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, LD = Tr::kLd, NT = Tr::kThreads;
@@ -432,7 +559,9 @@ gqa_fwd_kernel(const GqaParams p) {
     constexpr int kRows = 2 * MT;     // rows per thread: gid and gid + 8 of each m-tile
 
     extern __shared__ float4 smem_raw[];
-    Elem* sQ = reinterpret_cast<Elem*>(smem_raw);     // [BM][LD]
+    // [BM][LD]; wgmma: swizzled, from the first 1024-byte boundary
+    Elem* sQ = reinterpret_cast<Elem*>(kWg ? (reinterpret_cast<uintptr_t>(smem_raw) + 1023) / 1024 * 1024
+                                           : reinterpret_cast<uintptr_t>(smem_raw));
     Elem* sK = sQ + BM * LD;                          // [kStages][TK][LD]
     Elem* sV = sK + Tr::kStages * TK * LD;            // [kStages][TK][LD]
 
@@ -466,11 +595,11 @@ gqa_fwd_kernel(const GqaParams p) {
         auto k_row = [&](int r) -> const Elem* { return n0 + r < T ? k_base + int64_t(n0 + r) * p.k_stride_t : nullptr; };
         auto v_row = [&](int r) -> const Elem* { return n0 + r < T ? v_base + int64_t(n0 + r) * p.v_stride_t : nullptr; };
         const int rows = kv_rows(tile);
-        load_rows<Elem, DP, TK, NT>(sK + stage * TK * LD, k_row, k_base, rows, p.D, p.vec16);
-        load_rows<Elem, DP, TK, NT>(sV + stage * TK * LD, v_row, v_base, rows, p.D, p.vec16);
+        load_rows<Elem, DP, TK, NT, kWg>(sK + stage * TK * LD, k_row, k_base, rows, p.D, p.vec16);
+        load_rows<Elem, DP, TK, NT, kWg>(sV + stage * TK * LD, v_row, v_base, rows, p.D, p.vec16);
     };
 
-    load_rows<Elem, DP, BM, NT>(sQ, q_row, q_base, BM, p.D, p.vec16);
+    load_rows<Elem, DP, BM, NT, kWg>(sQ, q_row, q_base, BM, p.D, p.vec16);
     load_kv(0, 0);
     cp_async_commit();
 
@@ -490,6 +619,8 @@ gqa_fwd_kernel(const GqaParams p) {
     for (int r = 0; r < kRows; ++r) row_t[r] = row_of(r) / G;
     const int warp_t_lo = (r0 + wrow) / G;
     const int warp_t_hi = min((r0 + wrow + 16 * MT - 1) / G, T - 1);   // rows past T are padding
+    // A tile is skipped by every warp whose rows all precede it; wgmma needs its whole warpgroup.
+    const int skip_t_hi = kWg ? min((r0 + (wrow & ~63) + 63) / G, T - 1) : warp_t_hi;
 
     float o[MT][kDTiles][4];
 #pragma unroll
@@ -502,6 +633,11 @@ gqa_fwd_kernel(const GqaParams p) {
         m[r] = -INFINITY;
         l[r] = 0.f;
     }
+    // Element (key, column) of a K/V stage slice, in the padded or the swizzled layout.
+    auto v_at = [](const Elem* tile, int key, int col) -> Elem {
+        if constexpr (kWg) return tile[sw128_offset(key, col, TK) / sizeof(Elem)];
+        else return tile[key * LD + col];
+    };
     // l and O of row r times f: online-softmax rescale and key-split merge.
     auto rescale = [&](int r, float f) {
         l[r] *= f;
@@ -520,6 +656,7 @@ gqa_fwd_kernel(const GqaParams p) {
         } else {
             cp_async_wait<0>();
         }
+        if constexpr (kWg) fence_async_proxy();   // this thread's copies, before wgmma reads them
         // Inf or NaN in this K/V tile sends the whole CTA down the exact scalar path below for it,
         // so that a non-finite value reaches exactly the rows that attend to it. fp32: anywhere in
         // K or V (the TF32 split of an infinity is NaN). 16-bit: only in V of a tile that some row
@@ -528,14 +665,14 @@ gqa_fwd_kernel(const GqaParams p) {
         bool tile_bad = false;
         if constexpr (kHalf) {
             if (n * TK + TK - 1 > r0 / G)
-                tile_bad = own_copies_nonfinite<Elem, DP, NT>(sV + (n & 1) * TK * LD, kv_rows(n), p.vec16, bf16);
+                tile_bad = own_copies_nonfinite<Elem, DP, TK, NT, kWg>(sV + (n & 1) * TK * LD, kv_rows(n), p.vec16, bf16);
         } else {
-            tile_bad = own_copies_nonfinite<Elem, DP, NT>(sK + (n & 1) * TK * LD, kv_rows(n), p.vec16, bf16) ||
-                       own_copies_nonfinite<Elem, DP, NT>(sV + (n & 1) * TK * LD, kv_rows(n), p.vec16, bf16);
+            tile_bad = own_copies_nonfinite<Elem, DP, TK, NT>(sK + (n & 1) * TK * LD, kv_rows(n), p.vec16, bf16) ||
+                       own_copies_nonfinite<Elem, DP, TK, NT>(sV + (n & 1) * TK * LD, kv_rows(n), p.vec16, bf16);
         }
         const bool nonfinite = __syncthreads_or(tile_bad);
         const int key0 = n * TK + wkey;   // first key of this warp's slice of the tile
-        if (key0 > warp_t_hi) {           // every key of the slice is in the future of every row
+        if (key0 > skip_t_hi) {           // every key of the slice is in the future of every row
             __syncthreads();
             continue;
         }
@@ -549,7 +686,8 @@ gqa_fwd_kernel(const GqaParams p) {
 #pragma unroll
             for (int j = 0; j < kNTiles; ++j) s[t][j][0] = s[t][j][1] = s[t][j][2] = s[t][j][3] = 0.f;
         if constexpr (kHalf) {
-            qk_16bit<bf16, BN, DP, LD, MT>(s, sQ + wrow * LD, Kt, (p.D + 15) / 16, lane);
+            if constexpr (kWg) qk_wgmma<bf16, DP, BM, TK>(s[0], sQ, wrow & ~63, Kt, (p.D + 15) / 16);
+            else qk_16bit<bf16, BN, DP, LD, MT>(s, sQ + wrow * LD, Kt, (p.D + 15) / 16, lane);
         } else {
             qk_tf32<BN, DP, LD>(s[0], sQ + wrow * LD, Kt, p.D, terms, nonfinite, lane);
         }
@@ -602,7 +740,7 @@ gqa_fwd_kernel(const GqaParams p) {
 #pragma unroll 1
                     for (int kk8 = 0; kk8 < 8; ++kk8) {
                         const int key = key0 + j * 8 + kk8;
-                        const Elem* vr = Vt + (j * 8 + kk8) * LD + 2 * tig;
+                        const int vkey = j * 8 + kk8;
                         const float own0 = (kk8 & 1) ? s[t][j][1] : s[t][j][0];
                         const float own1 = (kk8 & 1) ? s[t][j][3] : s[t][j][2];
 #pragma unroll
@@ -612,8 +750,9 @@ gqa_fwd_kernel(const GqaParams p) {
 #pragma unroll
                             for (int d = 0; d < kDTiles; ++d) {
                                 if (d >= ksteps) break;
-                                o[t][d][2 * i] = fmaf(pk, to_float(vr[d * 8], bf16), o[t][d][2 * i]);
-                                o[t][d][2 * i + 1] = fmaf(pk, to_float(vr[d * 8 + 1], bf16), o[t][d][2 * i + 1]);
+                                const int c = d * 8 + 2 * tig;
+                                o[t][d][2 * i] = fmaf(pk, to_float(v_at(Vt, vkey, c), bf16), o[t][d][2 * i]);
+                                o[t][d][2 * i + 1] = fmaf(pk, to_float(v_at(Vt, vkey, c + 1), bf16), o[t][d][2 * i + 1]);
                             }
                         }
                     }
@@ -622,7 +761,8 @@ gqa_fwd_kernel(const GqaParams p) {
         }
 
         if constexpr (kHalf) {
-            pv_16bit<bf16, BN, DP, LD, MT>(o, s, Vt, ksteps, lane);
+            if constexpr (kWg) pv_wgmma<bf16, DP, TK>(o[0], s[0], Vt);
+            else pv_16bit<bf16, BN, DP, LD, MT>(o, s, Vt, ksteps, lane);
         } else {
             pv_tf32<BN, DP, LD>(o[0], s[0], Vt, ksteps, terms, lane);
         }
@@ -1071,10 +1211,10 @@ cudaError_t launch_rowwise(const GqaParams& p, cudaStream_t stream, int dev) {
     return cudaLaunchKernelEx(&cfg, kernel, p, kc, dv);
 }
 
-template <int kDtype, int DP, int KW>
+template <int kDtype, int DP, int KW, bool kWg = false>
 cudaError_t launch(const GqaParams& p, cudaStream_t stream, int dev) {
-    using Tr = TileTraits<DP, KW, ElemOf<kDtype>>;
-    auto kernel = gqa_fwd_kernel<kDtype, DP, KW>;
+    using Tr = TileTraits<DP, KW, ElemOf<kDtype>, kWg>;
+    auto kernel = gqa_fwd_kernel<kDtype, DP, KW, kWg>;
     static bool raised[kMaxDevices] = {};
     const cudaError_t err = raise_smem_limit(kernel, Tr::kSmemBytes, dev, raised);
     if (err != cudaSuccess) return err;
@@ -1085,15 +1225,27 @@ cudaError_t launch(const GqaParams& p, cudaStream_t stream, int dev) {
     return cudaGetLastError();
 }
 
+// Built for sm_90a alone (the build then defines GQA_SM90A), 16-bit inputs at head_dim 64 and 128
+// take the wgmma variant, and the mma.sync one is not compiled for them.
+#ifdef GQA_SM90A
+constexpr bool kHaveWgmma = true;
+#else
+constexpr bool kHaveWgmma = false;
+#endif
+
 // Long sequences walk the keys with 4 row warps; in fp32, when that leaves the GPU with less than
 // one CTA per SM, the key-split variant trades rows per CTA for 8x shorter key walks.
 template <int kDtype, int DP>
 cudaError_t launch_best(const GqaParams& p, cudaStream_t stream, int dev) {
-    if constexpr (DP <= 128 && kDtype == kGqaFloat32) {
-        const int64_t long_blocks = (int64_t(p.T) * p.group + 63) / 64 * p.B * p.Hkv;
-        if (long_blocks < sm_count(dev)) return launch<kDtype, DP, 8>(p, stream, dev);
+    if constexpr (kHaveWgmma && kDtype != kGqaFloat32 && (DP == 64 || DP == 128)) {
+        return launch<kDtype, DP, 1, true>(p, stream, dev);
+    } else {
+        if constexpr (DP <= 128 && kDtype == kGqaFloat32) {
+            const int64_t long_blocks = (int64_t(p.T) * p.group + 63) / 64 * p.B * p.Hkv;
+            if (long_blocks < sm_count(dev)) return launch<kDtype, DP, 8>(p, stream, dev);
+        }
+        return launch<kDtype, DP, 1>(p, stream, dev);
     }
-    return launch<kDtype, DP, 1>(p, stream, dev);
 }
 
 // Short sequences, and head dims too small to feed a tensor-core tile, take the row-wise kernel.
