@@ -89,8 +89,8 @@ def _cuda_home():
             return home
     raise RuntimeError(
         "gqa_module: no CUDA toolkit found (looked for bin/nvcc and include/cuda_runtime.h in %s). "
-        "Install a CUDA toolkit whose major version matches torch.version.cuda (%s), or PyPI's "
-        "nvidia-cuda-nvcc, and set CUDA_HOME to its root." % ([c for c in candidates if c], torch.version.cuda))
+        "Install a CUDA toolkit whose major version matches torch.version.cuda (%s), or the "
+        "nvidia-cuda-nvcc package, and set CUDA_HOME to its root." % ([c for c in candidates if c], torch.version.cuda))
 
 
 def _arch_flags():

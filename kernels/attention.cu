@@ -8,9 +8,9 @@
 // (t, g) pairs of that kv head's group, row = t * G + g, so the G query heads that read the same
 // K/V share every K/V tile the CTA loads, and a short sequence still fills the M tile. Each warp
 // owns 16 of those rows. K/V tiles of kBlockN keys stream through shared memory with cp.async,
-// double buffered, while the online-softmax state (m, l) and the output accumulator stay in
-// registers. Tiles past the CTA's last time step are never visited; only tiles that reach past
-// its first time step are masked.
+// double buffered (three stages on the wgmma path), while the online-softmax state (m, l) and the
+// output accumulator stay in registers. Tiles past the CTA's last time step are never visited;
+// only tiles that reach past its first time step are masked.
 //
 // Products. The input dtype is the kernel's template parameter; it picks the shared-memory element
 // and the two tile products, and everything else (tiling, masking, online softmax, merges,
@@ -22,6 +22,9 @@
 //  - fp16 and bf16: shared memory keeps the 16-bit inputs, fragments come from ldmatrix, and both
 //    products are mma.sync m16n8k16 with fp32 accumulation; P is rounded to the input dtype for
 //    P V, as FlashAttention does.
+//  - fp16 and bf16 on sm_90a (kWg, head_dim 64 and 128, 16-byte-aligned rows): one warpgroup of
+//    64 rows per CTA, Q, K and V in 128-byte-swizzled shared memory, both products on wgmma, and a
+//    software pipeline that computes S of the next tile and its softmax while P V of this one runs.
 //
 // Short sequences (T <= kRowwiseMaxT) and head dims too small for a tensor-core tile go to a
 // row-wise fp32 FMA kernel instead (gqa_rowwise_kernel, below): there the cost is latency, not
@@ -62,18 +65,21 @@ template <int kDtype> using ElemOf = typename std::conditional<kDtype == kGqaFlo
 // row by an odd number of 16-byte units, so the 8 rows an ldmatrix reads hit distinct banks.
 template <typename Elem, int DP> __host__ __device__ constexpr int tile_ld() { return std::is_same<Elem, float>::value ? DP + 4 : DP + 8; }
 
-// kWg: the sm_90a variant for 16-bit inputs (head_dim 64 and 128): two warpgroups of 64 rows,
-// both products on wgmma, Q, K and V in 128-byte-swizzled shared memory (no padding).
+// kWg: the sm_90a variant for 16-bit inputs (head_dim 64 and 128): one warpgroup of 64 rows (two
+// CTAs per SM run independently, so one's softmax overlaps the other's products), both products
+// on wgmma, Q, K and V in 128-byte-swizzled shared memory (no padding), three K/V stages.
 template <int DP, int KW, typename Elem, bool kWg = false> struct TileTraits {
     static constexpr bool kHalf = !std::is_same<Elem, float>::value;
-    static constexpr int kWarps = kWg ? 8 : KW == 1 ? 4 : KW;
+    static constexpr int kWarps = KW == 1 ? 4 : KW;
     static constexpr int kRowWarps = kWarps / KW;        // warps stacked along the query rows
     static constexpr int kThreads = 32 * kWarps;
     static constexpr int kMTiles = !kWg && kHalf && DP <= 128 ? 2 : 1;   // 16-row mma m-tiles per warp
     static constexpr int kBlockM = 16 * kMTiles * kRowWarps;     // query rows per CTA
     static constexpr int kBlockN = kWg ? 64 : tile_block_n(DP, KW, kHalf);   // keys per warp per tile
     static constexpr int kTileKeys = kBlockN * KW;       // keys per shared-memory stage
-    static constexpr int kStages = 2;
+    // wgmma: three stages, so a tile's copies have a whole iteration to land while the next S and
+    // this P V are in flight.
+    static constexpr int kStages = kWg ? 3 : 2;
     static constexpr int kLd = kWg ? DP : tile_ld<Elem, DP>();   // swizzled rows carry no padding
     static constexpr size_t kKvElems = size_t(2) * kStages * kTileKeys * kLd;
     // wgmma: 1024 bytes of slack to align the swizzled tiles.
@@ -275,7 +281,14 @@ __host__ __device__ constexpr uint32_t sw128_offset(int r, int c, int rows) {   
 }
 [[maybe_unused]] __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 [[maybe_unused]] __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-[[maybe_unused]] __device__ __forceinline__ void wg_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// Waits until at most N committed wgmma groups of this warpgroup are still running.
+template <int N> __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// Pins every register of an accumulator array at this point of the program: the compiler sees
+// a write of each, so no access to it moves across a wgmma wait next to it.
+template <int N> __device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
 // Makes this thread's ordinary shared-memory writes (cp.async included) visible to wgmma's reads.
 [[maybe_unused]] __device__ __forceinline__ void fence_async_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 template <bool kBf16>
@@ -335,31 +348,22 @@ __device__ __forceinline__ void wgmma_rs_tb_n128(float (&d)[64], const uint32_t 
 
 // S (the warpgroup's 64 rows x 64 keys; each warp holds its 16 rows as s[8][4]) = Q K^T. Q is a
 // swizzled tile of QR rows whose warpgroup rows start at `q_row0`, K a swizzled tile of KR rows.
+// Issued without a commit: the caller commits, and s is not valid before the matching wg_wait.
 template <bool kBf16, int DP, int QR, int KR>
-__device__ __forceinline__ void qk_wgmma(float (&s)[8][4], const uint16_t* q_tile, int q_row0, const uint16_t* k_tile,
-                                         int ksteps) {
+__device__ __forceinline__ void qk_wgmma(float (&s)[8][4], const uint16_t* q_tile, int q_row0, const uint16_t* k_tile) {
     const unsigned char* qb = reinterpret_cast<const unsigned char*>(q_tile) + q_row0 * 128;
     const unsigned char* kb = reinterpret_cast<const unsigned char*>(k_tile);
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < DP / 16; ++kk) {
-        if (kk >= ksteps) break;
         const int blk = kk / 4, col = (kk % 4) * 32;   // 64-column block, byte offset of the k-step
         wgmma_ss_n64<kBf16>(reinterpret_cast<float(&)[32]>(s), wg_desc(qb + blk * QR * 128 + col, 16, 1024),
                             wg_desc(kb + blk * KR * 128 + col, 16, 1024), kk > 0);
     }
-    wg_commit();
-    wg_wait_all();
 }
 
-// O (the warpgroup's 64 rows x DP) += P V. P comes from the S accumulators rounded to 16 bits;
-// V is a swizzled tile of KR rows (keys) read N-major (transposed) by the instruction: 8-key
-// groups 1024 bytes apart, 64-column blocks KR * 128 bytes apart. (Which descriptor field takes
-// which of the two strides for an N-major operand is checked by a layout probe on the device.)
-template <bool kBf16, int DP, int KR>
-__device__ __forceinline__ void pv_wgmma(float (&o)[DP / 8][4], const float (&s)[8][4], const uint16_t* v_tile) {
-    const unsigned char* vb = reinterpret_cast<const unsigned char*>(v_tile);
-    uint32_t a[4][4];
+// P, the probabilities of a 64-key S tile, as the four k16 A fragments of P V (16-bit).
+template <bool kBf16> __device__ __forceinline__ void pack_p(uint32_t (&a)[4][4], const float (&s)[8][4]) {
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
         a[ks][0] = pack_16bit<kBf16>(s[2 * ks][0], s[2 * ks][1]);
@@ -367,6 +371,16 @@ __device__ __forceinline__ void pv_wgmma(float (&o)[DP / 8][4], const float (&s)
         a[ks][2] = pack_16bit<kBf16>(s[2 * ks + 1][0], s[2 * ks + 1][1]);
         a[ks][3] = pack_16bit<kBf16>(s[2 * ks + 1][2], s[2 * ks + 1][3]);
     }
+}
+
+// O (the warpgroup's 64 rows x DP) += P V, P packed by pack_p. Issued without a commit: neither
+// o nor a may be touched before the caller's matching wg_wait.
+// V is a swizzled tile of KR rows (keys) read N-major (transposed) by the instruction: 8-key
+// groups 1024 bytes apart (the stride byte offset), 64-column blocks KR * 128 bytes apart (the
+// leading byte offset).
+template <bool kBf16, int DP, int KR>
+__device__ __forceinline__ void pv_wgmma(float (&o)[DP / 8][4], const uint32_t (&a)[4][4], const uint16_t* v_tile) {
+    const unsigned char* vb = reinterpret_cast<const unsigned char*>(v_tile);
     wg_fence();
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
@@ -374,8 +388,6 @@ __device__ __forceinline__ void pv_wgmma(float (&o)[DP / 8][4], const float (&s)
         if constexpr (DP == 64) wgmma_rs_tb_n64<kBf16>(reinterpret_cast<float(&)[32]>(o), a[ks], db, 1);
         else wgmma_rs_tb_n128<kBf16>(reinterpret_cast<float(&)[64]>(o), a[ks], db, 1);
     }
-    wg_commit();
-    wg_wait_all();
 }
 
 // Element I/O. fp16 and bf16 travel as raw 16-bit storage; the row-wise kernel takes their kind as
@@ -433,24 +445,65 @@ __device__ __forceinline__ bool nonfinite_value(Half16 x, bool bf16) {
     return bf16 ? (x & 0x7f80u) == 0x7f80u : (x & 0x7c00u) == 0x7c00u;   // exponent all ones
 }
 
+// The wgmma variant's K/V stage: ROWS rows from key n0 in 16-byte copies into the swizzled layout,
+// rows past T zero-filled. Each thread keeps one 16-byte column chunk and walks rows kRowStep
+// apart (a multiple of 8, so the swizzle phase stays put): its shared offset and global pointer
+// advance by constants. `own_tile_sw_zero_nonfinite` reads back exactly these copies (and
+// replaces Inf and NaN among them by zeros).
+template <typename Elem, int DP, int ROWS, int NT> struct SwTileMap {
+    static constexpr int kChunks = DP * int(sizeof(Elem)) / 16;   // 16-byte chunks per row
+    static constexpr int kRowStep = NT / kChunks;
+    static_assert(NT % kChunks == 0 && kRowStep % 8 == 0 && ROWS % kRowStep == 0, "swizzled tile copy mapping");
+    static __device__ __forceinline__ int row() { return int(threadIdx.x) / kChunks; }
+    static __device__ __forceinline__ int col() { return int(threadIdx.x) % kChunks * (16 / int(sizeof(Elem))); }
+};
+template <typename Elem, int DP, int ROWS, int NT>
+__device__ __forceinline__ void load_tile_sw(Elem* dst, const Elem* base, int64_t stride, int n0, int T, int D) {
+    using M = SwTileMap<Elem, DP, ROWS, NT>;
+    const int r = M::row(), c = M::col();
+    char* d = reinterpret_cast<char*>(dst) + sw128_offset(r, c, ROWS);
+    const Elem* src = base + int64_t(n0 + r) * stride + c;
+#pragma unroll
+    for (int k = 0; k < ROWS / M::kRowStep; ++k) {
+        const bool ok = c < D && n0 + r + k * M::kRowStep < T;
+        cp_async16(d + k * M::kRowStep * 128, ok ? src + int64_t(k * M::kRowStep) * stride : base, ok ? 16 : 0);
+    }
+}
+template <typename Elem, int DP, int ROWS, int NT>
+__device__ __forceinline__ bool own_tile_sw_zero_nonfinite(Elem* dst, bool bf16) {
+    using M = SwTileMap<Elem, DP, ROWS, NT>;
+    Elem* x = dst + sw128_offset(M::row(), M::col(), ROWS) / sizeof(Elem);
+    bool bad = false;
+#pragma unroll
+    for (int k = 0; k < ROWS / M::kRowStep; ++k)
+#pragma unroll
+        for (int e = 0; e < 16 / int(sizeof(Elem)); ++e) {
+            Elem& v = x[k * M::kRowStep * 128 / sizeof(Elem) + e];
+            if (nonfinite_value(v, bf16)) {
+                v = Elem(0);
+                bad = true;
+            }
+        }
+    return bad;
+}
+
 // True if any value this thread copied with load_rows (same arguments, same thread mapping) is
 // not finite. Reading back only its own copies needs no barrier: cp.async.wait_group (or the
 // plain stores of the synchronous path) already made them visible to this thread.
-template <typename Elem, int DP, int ROWS, int NTHREADS, bool kSw = false>
+template <typename Elem, int DP, int NTHREADS>
 __device__ __forceinline__ bool own_copies_nonfinite(const Elem* dst, int rows, bool vec16, bool bf16) {
     constexpr int kLd = tile_ld<Elem, DP>();
     constexpr int kWidth = 16 / int(sizeof(Elem));   // elements per 16-byte copy
-    auto at = [](int r, int c) { return kSw ? int(sw128_offset(r, c, ROWS) / sizeof(Elem)) : r * kLd + c; };
     bool bad = false;
     if (vec16) {
         constexpr int kChunks = DP / kWidth;
         for (int i = threadIdx.x; i < rows * kChunks; i += NTHREADS) {
-            const Elem* x = dst + at(i / kChunks, (i % kChunks) * kWidth);   // a 16-byte chunk stays whole
+            const Elem* x = dst + (i / kChunks) * kLd + (i % kChunks) * kWidth;
 #pragma unroll
             for (int e = 0; e < kWidth; ++e) bad |= nonfinite_value(x[e], bf16);
         }
     } else {
-        for (int i = threadIdx.x; i < rows * DP; i += NTHREADS) bad |= nonfinite_value(dst[at(i / DP, i % DP)], bf16);
+        for (int i = threadIdx.x; i < rows * DP; i += NTHREADS) bad |= nonfinite_value(dst[(i / DP) * kLd + i % DP], bf16);
     }
     return bad;
 }
@@ -594,6 +647,11 @@ gqa_fwd_kernel(const GqaParams p) {
         const int n0 = tile * TK;
         auto k_row = [&](int r) -> const Elem* { return n0 + r < T ? k_base + int64_t(n0 + r) * p.k_stride_t : nullptr; };
         auto v_row = [&](int r) -> const Elem* { return n0 + r < T ? v_base + int64_t(n0 + r) * p.v_stride_t : nullptr; };
+        if constexpr (kWg) {   // launched only with 16-byte-aligned rows
+            load_tile_sw<Elem, DP, TK, NT>(sK + stage * TK * LD, k_base, p.k_stride_t, n0, T, p.D);
+            load_tile_sw<Elem, DP, TK, NT>(sV + stage * TK * LD, v_base, p.v_stride_t, n0, T, p.D);
+            return;
+        }
         const int rows = kv_rows(tile);
         load_rows<Elem, DP, TK, NT, kWg>(sK + stage * TK * LD, k_row, k_base, rows, p.D, p.vec16);
         load_rows<Elem, DP, TK, NT, kWg>(sV + stage * TK * LD, v_row, v_base, rows, p.D, p.vec16);
@@ -619,8 +677,6 @@ gqa_fwd_kernel(const GqaParams p) {
     for (int r = 0; r < kRows; ++r) row_t[r] = row_of(r) / G;
     const int warp_t_lo = (r0 + wrow) / G;
     const int warp_t_hi = min((r0 + wrow + 16 * MT - 1) / G, T - 1);   // rows past T are padding
-    // A tile is skipped by every warp whose rows all precede it; wgmma needs its whole warpgroup.
-    const int skip_t_hi = kWg ? min((r0 + (wrow & ~63) + 63) / G, T - 1) : warp_t_hi;
 
     float o[MT][kDTiles][4];
 #pragma unroll
@@ -633,66 +689,36 @@ gqa_fwd_kernel(const GqaParams p) {
         m[r] = -INFINITY;
         l[r] = 0.f;
     }
-    // Element (key, column) of a K/V stage slice, in the padded or the swizzled layout.
-    auto v_at = [](const Elem* tile, int key, int col) -> Elem {
-        if constexpr (kWg) return tile[sw128_offset(key, col, TK) / sizeof(Elem)];
-        else return tile[key * LD + col];
-    };
-    // l and O of row r times f: online-softmax rescale and key-split merge.
-    auto rescale = [&](int r, float f) {
-        l[r] *= f;
+    // O of row r times f: online-softmax rescale and key-split merge.
+    auto rescale_o = [&](int r, float f) {
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
             o[r >> 1][d][2 * (r & 1)] *= f;
             o[r >> 1][d][2 * (r & 1) + 1] *= f;
         }
     };
-
-    for (int n = 0; n < n_kv; ++n) {
-        if (n + 1 < n_kv) {
-            load_kv(n + 1, (n + 1) & 1);
-            cp_async_commit();
-            cp_async_wait<1>();
+    // Inf or NaN in K/V tile n (stage `stage`) sends the whole CTA down the exact scalar path below
+    // for it, so that a non-finite value reaches exactly the rows that attend to it (wgmma: for
+    // the non-finite values only, which the check replaces by zeros in shared memory). fp32: anywhere
+    // in K or V (the TF32 split of an infinity is NaN). 16-bit: only in V of a tile that some row
+    // masks (a masked key's 0 * inf in the mma); elsewhere the mma already gives the reference's
+    // values, and masked scores are overwritten. Only this thread's copies: the caller reduces.
+    auto own_tile_bad = [&](int n, int stage) -> bool {
+        if constexpr (kWg) {
+            return n * TK + TK - 1 > r0 / G && own_tile_sw_zero_nonfinite<Elem, DP, TK, NT>(sV + stage * TK * LD, bf16);
+        } else if constexpr (kHalf) {
+            return n * TK + TK - 1 > r0 / G &&
+                   own_copies_nonfinite<Elem, DP, NT>(sV + stage * TK * LD, kv_rows(n), p.vec16, bf16);
         } else {
-            cp_async_wait<0>();
+            return own_copies_nonfinite<Elem, DP, NT>(sK + stage * TK * LD, kv_rows(n), p.vec16, bf16) ||
+                   own_copies_nonfinite<Elem, DP, NT>(sV + stage * TK * LD, kv_rows(n), p.vec16, bf16);
         }
-        if constexpr (kWg) fence_async_proxy();   // this thread's copies, before wgmma reads them
-        // Inf or NaN in this K/V tile sends the whole CTA down the exact scalar path below for it,
-        // so that a non-finite value reaches exactly the rows that attend to it. fp32: anywhere in
-        // K or V (the TF32 split of an infinity is NaN). 16-bit: only in V of a tile that some row
-        // masks (a masked key's 0 * inf in the mma); elsewhere the mma already gives the
-        // reference's values, and masked scores are overwritten.
-        bool tile_bad = false;
-        if constexpr (kHalf) {
-            if (n * TK + TK - 1 > r0 / G)
-                tile_bad = own_copies_nonfinite<Elem, DP, TK, NT, kWg>(sV + (n & 1) * TK * LD, kv_rows(n), p.vec16, bf16);
-        } else {
-            tile_bad = own_copies_nonfinite<Elem, DP, TK, NT>(sK + (n & 1) * TK * LD, kv_rows(n), p.vec16, bf16) ||
-                       own_copies_nonfinite<Elem, DP, TK, NT>(sV + (n & 1) * TK * LD, kv_rows(n), p.vec16, bf16);
-        }
-        const bool nonfinite = __syncthreads_or(tile_bad);
-        const int key0 = n * TK + wkey;   // first key of this warp's slice of the tile
-        if (key0 > skip_t_hi) {           // every key of the slice is in the future of every row
-            __syncthreads();
-            continue;
-        }
-        const Elem* Kt = sK + (n & 1) * TK * LD + wkey * LD;
-        const Elem* Vt = sV + (n & 1) * TK * LD + wkey * LD;
-
-        // S = Q K^T for the warp's rows and BN keys.
-        float s[MT][kNTiles][4];
-#pragma unroll
-        for (int t = 0; t < MT; ++t)
-#pragma unroll
-            for (int j = 0; j < kNTiles; ++j) s[t][j][0] = s[t][j][1] = s[t][j][2] = s[t][j][3] = 0.f;
-        if constexpr (kHalf) {
-            if constexpr (kWg) qk_wgmma<bf16, DP, BM, TK>(s[0], sQ, wrow & ~63, Kt, (p.D + 15) / 16);
-            else qk_16bit<bf16, BN, DP, LD, MT>(s, sQ + wrow * LD, Kt, (p.D + 15) / 16, lane);
-        } else {
-            qk_tf32<BN, DP, LD>(s[0], sQ + wrow * LD, Kt, p.D, terms, nonfinite, lane);
-        }
-
-        // Causal mask, only on slices that reach past the warp's first time step.
+    };
+    // The causal mask on S (slices that reach past the warp's first time step), then the online
+    // softmax: l rescaled to the new row max, S replaced by P = exp2(S' - m). O is rescaled too,
+    // except on the wgmma path, which may still have a P V in flight: there the factors are left
+    // in f for the caller.
+    auto mask_softmax = [&](float (&s)[MT][kNTiles][4], int key0, float (&f)[kRows]) {
         if (key0 + BN - 1 > warp_t_lo) {
 #pragma unroll
             for (int t = 0; t < MT; ++t)
@@ -704,8 +730,6 @@ gqa_fwd_kernel(const GqaParams p) {
                         if (key > row_t[2 * t + (e >> 1)]) s[t][j][e] = -INFINITY;
                     }
         }
-
-        // Online softmax: rescale the running state to the new row max, then P = exp2(S' - m).
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
             float(&st)[kNTiles][4] = s[r >> 1];
@@ -719,7 +743,9 @@ gqa_fwd_kernel(const GqaParams p) {
             // -inf only while every key this warp has seen for the row is masked (key-split
             // warps past the row's time step) or when the scores are not finite.
             const float m_ref = m_new == -INFINITY ? 0.f : m_new;
-            rescale(r, fast_exp2(m[r] - m_ref));
+            f[r] = fast_exp2(m[r] - m_ref);
+            l[r] *= f[r];
+            if constexpr (!kWg) rescale_o(r, f[r]);   // no P V in flight here
             m[r] = m_new;
 #pragma unroll
             for (int j = 0; j < kNTiles; ++j) {
@@ -728,45 +754,158 @@ gqa_fwd_kernel(const GqaParams p) {
                 l[r] += st[j][h] + st[j][h + 1];
             }
         }
+    };
+    // O += P V in exact fp32 over the attended keys only, for a tile with Inf or NaN: a masked
+    // key's 0 * inf or 0 * NaN never happens. p for (row, key) lives in the quad lane that holds
+    // the key's column of S. The loop over the 8 keys of an n-tile stays rolled (code size) and
+    // picks its S register by a select.
+    auto scalar_pv = [&](const float (&s)[MT][kNTiles][4], const Elem* Vt, int key0) {
+#pragma unroll
+        for (int t = 0; t < MT; ++t)
+#pragma unroll
+            for (int j = 0; j < kNTiles; ++j)
+#pragma unroll 1
+                for (int kk8 = 0; kk8 < 8; ++kk8) {
+                    const int key = key0 + j * 8 + kk8;
+                    const int vkey = j * 8 + kk8;
+                    const float own0 = (kk8 & 1) ? s[t][j][1] : s[t][j][0];
+                    const float own1 = (kk8 & 1) ? s[t][j][3] : s[t][j][2];
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        const float pk = __shfl_sync(0xffffffffu, i ? own1 : own0, (lane & ~3) | (kk8 >> 1));
+                        if (key > row_t[2 * t + i]) continue;
+#pragma unroll
+                        for (int d = 0; d < kDTiles; ++d) {
+                            if (d >= ksteps) break;
+                            const int c = d * 8 + 2 * tig;
+                            o[t][d][2 * i] = fmaf(pk, to_float(Vt[vkey * LD + c], bf16), o[t][d][2 * i]);
+                            o[t][d][2 * i + 1] = fmaf(pk, to_float(Vt[vkey * LD + c + 1], bf16), o[t][d][2 * i + 1]);
+                        }
+                    }
+                }
+    };
 
-        if (nonfinite) {
-            // O += P V over the attended keys only: a masked key's 0 * inf or 0 * NaN never happens.
-            // p for (row, key) lives in the quad lane that holds the key's column of S. The loop over
-            // the 8 keys of an n-tile stays rolled (code size) and picks its S register by a select.
+    // wgmma: O += P V over the attended keys of tile key0.. for V's non-finite values only, read
+    // from global memory (the shared copy holds zeros there, and the mma adds the rest).
+    // Its key loops stay rolled except over the n-tiles: S must stay in registers.
+    auto scalar_pv_nonfinite = [&](const float (&s)[MT][kNTiles][4], int key0) {
+#pragma unroll
+        for (int j = 0; j < kNTiles; ++j)
+#pragma unroll 1
+            for (int kk8 = 0; kk8 < 8; ++kk8) {
+                const int key = key0 + j * 8 + kk8;
+                const float own0 = (kk8 & 1) ? s[0][j][1] : s[0][j][0];
+                const float own1 = (kk8 & 1) ? s[0][j][3] : s[0][j][2];
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    const float pk = __shfl_sync(0xffffffffu, i ? own1 : own0, (lane & ~3) | (kk8 >> 1));
+                    if (key > row_t[i]) continue;
+                    const Elem* vr = v_base + int64_t(key) * p.v_stride_t;
+#pragma unroll
+                    for (int d = 0; d < kDTiles; ++d)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int c = d * 8 + 2 * tig + e;
+                            const float x = c < p.D ? to_float(vr[c], bf16) : 0.f;
+                            if (!isfinite(x)) o[0][d][2 * i + e] = fmaf(pk, x, o[0][d][2 * i + e]);
+                        }
+                }
+            }
+    };
+
+    if constexpr (kWg) {
+        float s[MT][kNTiles][4];   // S, then P, of the tile in hand
+        float f[kRows];            // O's rescale factors from the last softmax
+        // Software pipeline over the warpgroup's async products: while P V of tile n runs, S of
+        // tile n + 1 is computed and its softmax done, and the copies of tile n + 2 are landing.
+        // One warpgroup owns the CTA's rows, so it visits every tile up to n_kv. Both products
+        // are issued on every path (a wgmma or a wait under a data-dependent branch makes the
+        // compiler serialise every wgmma of the kernel): a tile with Inf or NaN in V has them
+        // replaced by zeros in shared memory when it lands, and they reach O through the exact
+        // scalar step below instead.
+        auto stage_of = [](int n) { return n % Tr::kStages; };
+        auto issue_qk = [&](int n) { qk_wgmma<bf16, DP, BM, TK>(s[0], sQ, 0, sK + stage_of(n) * TK * LD); };
+        if (n_kv > 1) load_kv(1, 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        const bool bad0 = own_tile_bad(0, 0);
+        fence_async_proxy();   // this thread's copies and zeroings, before wgmma reads them
+        bool nonfinite = __syncthreads_or(bad0);
+        issue_qk(0);
+        wg_commit();
+        wg_wait<0>();
+        fence_regs(reinterpret_cast<float(&)[MT * kNTiles * 4]>(s));
+        mask_softmax(s, 0, f);   // O is still zero: f needs no applying
+        // The last tile is peeled off: inside the loop every step runs unconditionally.
+        for (int n = 0; n + 1 < n_kv; ++n) {
+            cp_async_wait<0>();
+            const bool next_bad = own_tile_bad(n + 1, stage_of(n + 1));
+            fence_async_proxy();
+            // Tile n + 1 is in shared memory, and every warp is past P V of tile n - 1, so its
+            // stage takes the copies of tile n + 2.
+            const bool next_nonfinite = __syncthreads_or(next_bad);
+            if (n + 2 < n_kv) load_kv(n + 2, stage_of(n + 2));
+            cp_async_commit();
+            if (nonfinite) scalar_pv_nonfinite(s, n * TK);
+            uint32_t pa[4][4];   // P of tile n; read by the wgmma until it completes
+            pack_p<bf16>(pa, s[0]);
+            issue_qk(n + 1);
+            wg_commit();
+            pv_wgmma<bf16, DP, TK>(o[0], pa, sV + stage_of(n) * TK * LD);
+            wg_commit();
+            wg_wait<1>();
+            fence_regs(reinterpret_cast<float(&)[MT * kNTiles * 4]>(s));
+            mask_softmax(s, (n + 1) * TK, f);
+            wg_wait<0>();
+            fence_regs(reinterpret_cast<float(&)[MT * kDTiles * 4]>(o));
+#pragma unroll
+            for (int r = 0; r < kRows; ++r) rescale_o(r, f[r]);
+            nonfinite = next_nonfinite;
+        }
+        if (nonfinite) scalar_pv_nonfinite(s, (n_kv - 1) * TK);
+        uint32_t pa[4][4];
+        pack_p<bf16>(pa, s[0]);
+        pv_wgmma<bf16, DP, TK>(o[0], pa, sV + stage_of(n_kv - 1) * TK * LD);
+        wg_commit();
+        wg_wait<0>();
+        fence_regs(reinterpret_cast<float(&)[MT * kDTiles * 4]>(o));
+    } else {
+        for (int n = 0; n < n_kv; ++n) {
+            if (n + 1 < n_kv) {
+                load_kv(n + 1, (n + 1) & 1);
+                cp_async_commit();
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            const bool nonfinite = __syncthreads_or(own_tile_bad(n, n & 1));
+            const int key0 = n * TK + wkey;   // first key of this warp's slice of the tile
+            if (key0 > warp_t_hi) {           // every key of the slice is in the future of every row
+                __syncthreads();
+                continue;
+            }
+            const Elem* Kt = sK + (n & 1) * TK * LD + wkey * LD;
+            const Elem* Vt = sV + (n & 1) * TK * LD + wkey * LD;
+
+            // S = Q K^T for the warp's rows and BN keys.
+            float s[MT][kNTiles][4];
+            float f[kRows];
 #pragma unroll
             for (int t = 0; t < MT; ++t)
 #pragma unroll
-                for (int j = 0; j < kNTiles; ++j)
-#pragma unroll 1
-                    for (int kk8 = 0; kk8 < 8; ++kk8) {
-                        const int key = key0 + j * 8 + kk8;
-                        const int vkey = j * 8 + kk8;
-                        const float own0 = (kk8 & 1) ? s[t][j][1] : s[t][j][0];
-                        const float own1 = (kk8 & 1) ? s[t][j][3] : s[t][j][2];
-#pragma unroll
-                        for (int i = 0; i < 2; ++i) {
-                            const float pk = __shfl_sync(0xffffffffu, i ? own1 : own0, (lane & ~3) | (kk8 >> 1));
-                            if (key > row_t[2 * t + i]) continue;
-#pragma unroll
-                            for (int d = 0; d < kDTiles; ++d) {
-                                if (d >= ksteps) break;
-                                const int c = d * 8 + 2 * tig;
-                                o[t][d][2 * i] = fmaf(pk, to_float(v_at(Vt, vkey, c), bf16), o[t][d][2 * i]);
-                                o[t][d][2 * i + 1] = fmaf(pk, to_float(v_at(Vt, vkey, c + 1), bf16), o[t][d][2 * i + 1]);
-                            }
-                        }
-                    }
-            __syncthreads();
-            continue;
+                for (int j = 0; j < kNTiles; ++j) s[t][j][0] = s[t][j][1] = s[t][j][2] = s[t][j][3] = 0.f;
+            if constexpr (kHalf) qk_16bit<bf16, BN, DP, LD, MT>(s, sQ + wrow * LD, Kt, (p.D + 15) / 16, lane);
+            else qk_tf32<BN, DP, LD>(s[0], sQ + wrow * LD, Kt, p.D, terms, nonfinite, lane);
+            mask_softmax(s, key0, f);
+            if (nonfinite) {
+                scalar_pv(s, Vt, key0);
+                __syncthreads();
+                continue;
+            }
+            if constexpr (kHalf) pv_16bit<bf16, BN, DP, LD, MT>(o, s, Vt, ksteps, lane);
+            else pv_tf32<BN, DP, LD>(o[0], s[0], Vt, ksteps, terms, lane);
+            __syncthreads();   // the stage is refilled by the next iteration's prefetch
         }
-
-        if constexpr (kHalf) {
-            if constexpr (kWg) pv_wgmma<bf16, DP, TK>(o[0], s[0], Vt);
-            else pv_16bit<bf16, BN, DP, LD, MT>(o, s, Vt, ksteps, lane);
-        } else {
-            pv_tf32<BN, DP, LD>(o[0], s[0], Vt, ksteps, terms, lane);
-        }
-        __syncthreads();   // the stage is refilled by the next iteration's prefetch
     }
 
     // Epilogue: finish l across the quad that shares a row.
@@ -800,7 +939,9 @@ gqa_fwd_kernel(const GqaParams p) {
             for (int w = 1; w < KW; ++w)
                 m_all = fmaxf(m_all, scratch[((warp + w * Tr::kRowWarps) * kSlots + kDTiles * 4 + i) * 32 + lane]);
             const float m_ref = m_all == -INFINITY ? 0.f : m_all;
-            rescale(i, fast_exp2(m[i] - m_ref));
+            const float fi = fast_exp2(m[i] - m_ref);
+            l[i] *= fi;
+            rescale_o(i, fi);
 #pragma unroll
             for (int w = 1; w < KW; ++w) {
                 const int src = (warp + w * Tr::kRowWarps) * kSlots;
@@ -1226,7 +1367,7 @@ cudaError_t launch(const GqaParams& p, cudaStream_t stream, int dev) {
 }
 
 // Built for sm_90a alone (the build then defines GQA_SM90A), 16-bit inputs at head_dim 64 and 128
-// take the wgmma variant, and the mma.sync one is not compiled for them.
+// with 16-byte-aligned rows take the wgmma variant; other rows keep the mma.sync one.
 #ifdef GQA_SM90A
 constexpr bool kHaveWgmma = true;
 #else
@@ -1238,7 +1379,8 @@ constexpr bool kHaveWgmma = false;
 template <int kDtype, int DP>
 cudaError_t launch_best(const GqaParams& p, cudaStream_t stream, int dev) {
     if constexpr (kHaveWgmma && kDtype != kGqaFloat32 && (DP == 64 || DP == 128)) {
-        return launch<kDtype, DP, 1, true>(p, stream, dev);
+        if (p.vec16) return launch<kDtype, DP, 1, true>(p, stream, dev);
+        return launch<kDtype, DP, 1>(p, stream, dev);
     } else {
         if constexpr (DP <= 128 && kDtype == kGqaFloat32) {
             const int64_t long_blocks = (int64_t(p.T) * p.group + 63) / 64 * p.B * p.Hkv;
