@@ -405,20 +405,39 @@ def test_gpu_allow_tf32_uses_single_tf32_and_default_is_fp32_accurate():
 @pytest.mark.parametrize("B,T,Hq,Hkv,D", [(1, 1, 1, 1, 16), (2, 65, 8, 2, 64), (1, 1000, 32, 8, 128),
                                           (1, 127, 6, 3, 200), (3, 80, 7, 1, 40), (2, 300, 8, 2, 64),
                                           (1, 257, 6, 3, 200), (1, 150, 4, 2, 20), (2, 333, 4, 4, 40),
-                                          (1, 4097, 8, 2, 128), (2, 1000, 7, 1, 256), (1, 200, 2, 1, 32)])
+                                          (1, 4097, 8, 2, 128), (2, 1000, 7, 1, 256), (1, 200, 2, 1, 32),
+                                          (1, 300, 4, 2, 36), (2, 200, 4, 2, 120)])
 def test_gpu_half_precision(dtype, B, T, Hq, Hkv, D):
-    """Error against float64 at most 2x SDPA's own error in that dtype, plus 1e-3 absolute."""
     q, k, v = make_qkv(B, T, Hq, Hkv, D, device="cuda", dtype=dtype)
-    out = call_poisoned(q, k, v)
-    assert out.dtype == dtype
+    check_half(call_poisoned(q, k, v), q, k, v)
+
+
+def check_half(out, q, k, v, what=""):
+    """Error against float64 at most 2x SDPA's own error in that dtype, plus 1e-3 absolute."""
+    assert out.shape == q.shape and out.dtype == q.dtype
     exact = reference.causal_gqa_reference(q, k, v)
     sdpa = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True).transpose(1, 2)
     ours_err = (out.double() - exact).abs().max().item()
     sdpa_err = (sdpa.double() - exact).abs().max().item()
-    print("%s ours max err %.3g, sdpa %.3g" % (dtype, ours_err, sdpa_err))
+    print("%s %s ours max err %.3g, sdpa %.3g" % (what, q.dtype, ours_err, sdpa_err))
     assert torch.isfinite(out).all()
     assert ours_err <= 2 * sdpa_err + 1e-3
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_half_strided_views(dtype, D):
+    """Packed and transposed views (16-byte-aligned rows) and an unaligned start (the path for
+    other rows) in 16-bit."""
+    B, T, Hq, Hkv = 2, 300, 8, 2
+    q, k, v = torch.randn(B, T, Hq + 2 * Hkv, D, device="cuda", dtype=dtype).split([Hq, Hkv, Hkv], dim=2)
+    check_half(call_poisoned(q, k, v), q, k, v, "packed qkv")
+    q, k, v = [torch.randn(B, H, T, D, device="cuda", dtype=dtype).transpose(1, 2) for H in (Hq, Hkv, Hkv)]
+    check_half(call_poisoned(q, k, v), q, k, v, "transposed")
+    q = torch.randn(B * T * Hq * D + 1, device="cuda", dtype=dtype)[1:].view(B, T, Hq, D)
+    check_half(call_poisoned(q, k, v), q, k, v, "offset")
 
 
 # ------------------------------------------------------------------------------------------------
