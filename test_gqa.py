@@ -106,6 +106,22 @@ def test_missing_toolkit_error_names_nvcc_and_cuda_home(monkeypatch):
     assert "nvcc" in str(info.value) and "CUDA_HOME" in str(info.value)
 
 
+def test_arch_flags_pick_sm90a_only_when_wgmma_can_run(monkeypatch):
+    """The wgmma path (GQA_SM90A) is compiled only into a build for sm_90a alone: an sm_90 GPU or
+    no GPU by default, or TORCH_CUDA_ARCH_LIST exactly 9.0a. Any other list keeps mma.sync."""
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
+    assert gqa_module._arch_flags() == (["-DGQA_SM90A"], "90a")
+    for wanted, tag in (("9.0", "90"), ("8.0;9.0a", "80_90a"), ("8.6 9.0", "86_90")):
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", wanted)
+        assert gqa_module._arch_flags() == ([], tag)
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
+    flags, tag = gqa_module._arch_flags()
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() == (9, 0):
+        assert (flags, tag) == (["-gencode=arch=compute_90a,code=sm_90a", "-DGQA_SM90A"], "90a")
+    else:
+        assert "-DGQA_SM90A" not in flags and not tag.endswith("a")
+
+
 CPU_GRID = [(1, 1, 1, 1, 1), (2, 2, 8, 2, 32), (1, 63, 6, 3, 40), (3, 65, 7, 1, 17), (1, 80, 8, 8, 64),
             (2, 127, 4, 2, 3), (1, 200, 32, 8, 16)]
 
