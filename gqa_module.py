@@ -99,14 +99,15 @@ def _arch_flags():
     GPU gets sm_90a (wgmma); a build for sm_90a alone defines GQA_SM90A, which enables that path."""
     wanted = os.environ.get("TORCH_CUDA_ARCH_LIST")
     if wanted:
-        archs = wanted.replace(";", " ").split()
-        return (["-DGQA_SM90A"] if archs == ["9.0a"] else []), "_".join(a.replace(".", "") for a in archs)
-    if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        sm = "%d%d" % (major, minor) + ("a" if (major, minor) == (9, 0) else "")
+        gencode, tag = [], "_".join(a.replace(".", "") for a in wanted.replace(";", " ").split())
     else:
-        sm = "90a"
-    return ["-gencode=arch=compute_%s,code=sm_%s" % (sm, sm)] + (["-DGQA_SM90A"] if sm == "90a" else []), sm
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            tag = "%d%d" % (major, minor) + ("a" if (major, minor) == (9, 0) else "")
+        else:
+            tag = "90a"
+        gencode = ["-gencode=arch=compute_%s,code=sm_%s" % (tag, tag)]
+    return gencode + (["-DGQA_SM90A"] if tag == "90a" else []), tag
 
 
 # ------------------------------------------------------------------------------------------------

@@ -418,18 +418,6 @@ def test_gpu_allow_tf32_uses_single_tf32_and_default_is_fp32_accurate():
     assert fast <= 5e-3 and fast > 2 * accurate   # really the single-product path, still sane
 
 
-@needs_gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("B,T,Hq,Hkv,D", [(1, 1, 1, 1, 16), (2, 65, 8, 2, 64), (1, 1000, 32, 8, 128),
-                                          (1, 127, 6, 3, 200), (3, 80, 7, 1, 40), (2, 300, 8, 2, 64),
-                                          (1, 257, 6, 3, 200), (1, 150, 4, 2, 20), (2, 333, 4, 4, 40),
-                                          (1, 4097, 8, 2, 128), (2, 1000, 7, 1, 256), (1, 200, 2, 1, 32),
-                                          (1, 300, 4, 2, 36), (2, 200, 4, 2, 120)])
-def test_gpu_half_precision(dtype, B, T, Hq, Hkv, D):
-    q, k, v = make_qkv(B, T, Hq, Hkv, D, device="cuda", dtype=dtype)
-    check_half(call_poisoned(q, k, v), q, k, v)
-
-
 def check_half(out, q, k, v, what=""):
     """Error against float64 at most 2x SDPA's own error in that dtype, plus 1e-3 absolute."""
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -441,6 +429,18 @@ def check_half(out, q, k, v, what=""):
     print("%s %s ours max err %.3g, sdpa %.3g" % (what, q.dtype, ours_err, sdpa_err))
     assert torch.isfinite(out).all()
     assert ours_err <= 2 * sdpa_err + 1e-3
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B,T,Hq,Hkv,D", [(1, 1, 1, 1, 16), (2, 65, 8, 2, 64), (1, 1000, 32, 8, 128),
+                                          (1, 127, 6, 3, 200), (3, 80, 7, 1, 40), (2, 300, 8, 2, 64),
+                                          (1, 257, 6, 3, 200), (1, 150, 4, 2, 20), (2, 333, 4, 4, 40),
+                                          (1, 4097, 8, 2, 128), (2, 1000, 7, 1, 256), (1, 200, 2, 1, 32),
+                                          (1, 300, 4, 2, 36), (2, 200, 4, 2, 120)])
+def test_gpu_half_precision(dtype, B, T, Hq, Hkv, D):
+    q, k, v = make_qkv(B, T, Hq, Hkv, D, device="cuda", dtype=dtype)
+    check_half(call_poisoned(q, k, v), q, k, v)
 
 
 @needs_gpu
