@@ -405,6 +405,37 @@ def test_gpu_large_scores_stay_stable():
 
 
 @needs_gpu
+@pytest.mark.parametrize("D", [40, 128])
+@pytest.mark.parametrize("scale_q,scale_k,scale_v", [(1e12, 1e-12, 1.0), (1.0, 1.0, 1e-25), (1e-3, 1e3, 1e30)])
+def test_gpu_fp32_magnitudes_outside_half_range(D, scale_q, scale_k, scale_v):
+    """fp32 inputs far outside fp16's range, at a size whose grid fills the GPU (on sm_90a the
+    fp32 path that splits operands into scaled fp16 pairs): fp32 accuracy, relative to V's scale."""
+    q, k, v = make_qkv(2, 1100, 8, 2, D, device="cuda")
+    q, k, v = q * scale_q, k * scale_k, v * scale_v
+    out = call_poisoned(q, k, v)
+    exact = reference.causal_gqa_reference(q, k, v)
+    print("scales %g %g %g: rel err %.3g" % (scale_q, scale_k, scale_v, rel_err(out, exact)))
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out.double() / scale_v, exact / scale_v, atol=1e-4, rtol=1e-4)
+    assert rel_err(out, exact) <= 1e-5
+
+
+@needs_gpu
+def test_gpu_fp32_nan_in_one_query_row_stays_there():
+    """One NaN in q at a size whose grid fills the GPU: only that row is NaN, every other row keeps
+    fp32 accuracy (on sm_90a only the CTA holding the row leaves the fast fp32 path)."""
+    q, k, v = make_qkv(1, 2200, 8, 2, 128, device="cuda")
+    q[0, 1500, 5, 7] = float("nan")
+    out = call_poisoned(q, k, v)
+    exact = reference.causal_gqa_reference(q, k, v)
+    assert torch.equal(torch.isnan(out), torch.isnan(exact))
+    assert torch.isnan(out[0, 1500, 5]).all() and torch.isfinite(out[0, :1500]).all()
+    finite = torch.isfinite(exact)
+    assert torch.allclose(out.double()[finite], exact[finite], atol=1e-4, rtol=1e-4)
+    assert rel_err(out[0, :1500], exact[0, :1500]) <= 1e-5
+
+
+@needs_gpu
 def test_gpu_allow_tf32_uses_single_tf32_and_default_is_fp32_accurate():
     q, k, v = make_qkv(2, 700, 8, 2, 128, device="cuda")
     exact = reference.causal_gqa_reference(q, k, v)

@@ -91,7 +91,7 @@ template <int DP, int KW, typename Elem, bool kWg = false> struct TileTraits {
     static_assert(kWarps % KW == 0, "the split warps must divide the CTA");
     static_assert(!kHalf || KW == 1, "16-bit inputs use the long variant only");
     static_assert(kHalf || kMTiles == 1, "the TF32 products take one m-tile per warp");
-    static_assert(!kWg || (kHalf && KW == 1 && (DP == 64 || DP == 128)), "wgmma: 16-bit, head_dim 64 or 128");
+    static_assert(!kWg || (KW == 1 && (DP == 64 || DP == 128)), "wgmma: head_dim 64 or 128");
     static_assert(KW == 1 || sizeof(float) * kMergeFloats <= sizeof(Elem) * kKvElems,
                   "merge scratch must fit in the K/V buffers");
 };
@@ -349,8 +349,10 @@ __device__ __forceinline__ void wgmma_rs_tb_n128(float (&d)[64], const uint32_t 
 // S (the warpgroup's 64 rows x 64 keys; each warp holds its 16 rows as s[8][4]) = Q K^T. Q is a
 // swizzled tile of QR rows whose warpgroup rows start at `q_row0`, K a swizzled tile of KR rows.
 // Issued without a commit: the caller commits, and s is not valid before the matching wg_wait.
+// `accumulate`: add to s instead of starting from zero.
 template <bool kBf16, int DP, int QR, int KR>
-__device__ __forceinline__ void qk_wgmma(float (&s)[8][4], const uint16_t* q_tile, int q_row0, const uint16_t* k_tile) {
+__device__ __forceinline__ void qk_wgmma(float (&s)[8][4], const uint16_t* q_tile, int q_row0, const uint16_t* k_tile,
+                                         bool accumulate = false) {
     const unsigned char* qb = reinterpret_cast<const unsigned char*>(q_tile) + q_row0 * 128;
     const unsigned char* kb = reinterpret_cast<const unsigned char*>(k_tile);
     wg_fence();
@@ -358,7 +360,7 @@ __device__ __forceinline__ void qk_wgmma(float (&s)[8][4], const uint16_t* q_til
     for (int kk = 0; kk < DP / 16; ++kk) {
         const int blk = kk / 4, col = (kk % 4) * 32;   // 64-column block, byte offset of the k-step
         wgmma_ss_n64<kBf16>(reinterpret_cast<float(&)[32]>(s), wg_desc(qb + blk * QR * 128 + col, 16, 1024),
-                            wg_desc(kb + blk * KR * 128 + col, 16, 1024), kk > 0);
+                            wg_desc(kb + blk * KR * 128 + col, 16, 1024), kk > 0 || accumulate);
     }
 }
 
@@ -378,16 +380,84 @@ template <bool kBf16> __device__ __forceinline__ void pack_p(uint32_t (&a)[4][4]
 // V is a swizzled tile of KR rows (keys) read N-major (transposed) by the instruction: 8-key
 // groups 1024 bytes apart (the stride byte offset), 64-column blocks KR * 128 bytes apart (the
 // leading byte offset).
+// `accumulate` false: o starts from zero.
 template <bool kBf16, int DP, int KR>
-__device__ __forceinline__ void pv_wgmma(float (&o)[DP / 8][4], const uint32_t (&a)[4][4], const uint16_t* v_tile) {
+__device__ __forceinline__ void pv_wgmma(float (&o)[DP / 8][4], const uint32_t (&a)[4][4], const uint16_t* v_tile,
+                                         bool accumulate = true) {
     const unsigned char* vb = reinterpret_cast<const unsigned char*>(v_tile);
     wg_fence();
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
         const uint64_t db = wg_desc(vb + ks * 16 * 128, KR * 128, 1024);
-        if constexpr (DP == 64) wgmma_rs_tb_n64<kBf16>(reinterpret_cast<float(&)[32]>(o), a[ks], db, 1);
-        else wgmma_rs_tb_n128<kBf16>(reinterpret_cast<float(&)[64]>(o), a[ks], db, 1);
+        if constexpr (DP == 64) wgmma_rs_tb_n64<kBf16>(reinterpret_cast<float(&)[32]>(o), a[ks], db, ks > 0 || accumulate);
+        else wgmma_rs_tb_n128<kBf16>(reinterpret_cast<float(&)[64]>(o), a[ks], db, ks > 0 || accumulate);
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// fp32 on sm_90a as three fp16 products ("x3": head_dim 33..128, 16-byte-aligned rows, a grid
+// that fills the GPU). Each fp32 operand x, times a power of two 2^e, is split into
+// hi = fp16(x 2^e) and lo = fp16(x 2^e - hi); a product is summed as hi*lo + lo*hi + hi*hi
+// (lo*lo, about 2^-22 of it, is dropped). e puts the largest finite |x| of its group in
+// [2^14, 2^15): inside fp16's range, with lo far above fp16's subnormals. Groups: K and V per
+// (batch, kv head), scanned and split into the workspace by x3_absmax_kernel and x3_split_kernel
+// before the attention kernel; Q per CTA tile, split by the attention kernel as it loads the tile
+// (each Q tile is read once); P, times 2^kX3PShift. The small terms go first in each product, and
+// P V starts from zero in every tile and is added to O in fp32: the tensor core does not round
+// its additions to nearest, so only the few additions of the hi*hi terms carry that error.
+// Inf or NaN in a CTA's Q tile, or in its head's K or V, leaves the CTA to the 3xTF32 kernel,
+// launched next with `redo` naming those CTAs.
+constexpr int kX3Top = 14;          // the scaled group maximum lies in [2^kX3Top, 2^(kX3Top + 1))
+constexpr float kX3PShift = 12.f;   // P = exp2(s - m + kX3PShift) <= 2^12 before its split
+constexpr int kX3Rows = 64;         // rows per CTA of the K/V scan and split
+constexpr int kX3Threads = 256;
+
+struct X3Work {         // the workspace, carved up
+    Half16* kv;         // [2 (K, V)][B * Hkv][T][2 (hi, lo)][DP]
+    uint32_t* absmax;   // [2 (K, V)][B * Hkv]: largest finite |x| of the head, as float bits
+    uint32_t* bad;      // [B * Hkv]: Inf or NaN in the head's K or V
+    uint8_t* redo;      // [CTAs of the attention kernel]: 1 = left to the 3xTF32 kernel
+};
+__host__ __device__ inline int64_t x3_kv_elems(const GqaParams& p, int DP) { return int64_t(4) * p.B * p.Hkv * p.T * DP; }
+__host__ __device__ inline X3Work x3_work(const GqaParams& p, int DP) {
+    char* base = static_cast<char*>(p.workspace);
+    X3Work w;
+    w.kv = reinterpret_cast<Half16*>(base);
+    w.absmax = reinterpret_cast<uint32_t*>(base + x3_kv_elems(p, DP) * int64_t(sizeof(Half16)));
+    w.bad = w.absmax + 2 * p.B * p.Hkv;
+    w.redo = reinterpret_cast<uint8_t*>(w.bad + p.B * p.Hkv);
+    return w;
+}
+// The group's e from its largest finite |x| (0 for an all-zero group).
+__device__ __forceinline__ int x3_exponent(uint32_t absmax_bits) {
+    const float m = __uint_as_float(absmax_bits);
+    return m > 0.f ? kX3Top - ilogbf(m) : 0;
+}
+__device__ __forceinline__ float pow2_exact(int e) { return __int_as_float((e + 127) << 23); }   // e in -126..127
+// x * 2^e for |e| <= 252, as two exact power-of-two factors.
+__device__ __forceinline__ float x3_scale(float x, int e) { return x * pow2_exact(e / 2) * pow2_exact(e - e / 2); }
+__device__ __forceinline__ uint32_t half2_bits(__half2 h) { return *reinterpret_cast<const uint32_t*>(&h); }
+// Two scaled values as packed fp16 hi and lo pairs, `a` in the low half.
+__device__ __forceinline__ void x3_split2(float a, float b, uint32_t& hi, uint32_t& lo) {
+    const __half2 h = __floats2half2_rn(a, b);
+    const float2 back = __half22float2(h);
+    hi = half2_bits(h);
+    lo = half2_bits(__floats2half2_rn(a - back.x, b - back.y));
+}
+// P of a 64-key tile (already times 2^kX3PShift) as hi and lo k16 A fragments, as pack_p lays them.
+__device__ __forceinline__ void x3_split_p(uint32_t (&hi)[4][4], uint32_t (&lo)[4][4], const float (&s)[8][4]) {
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+        x3_split2(s[2 * ks][0], s[2 * ks][1], hi[ks][0], lo[ks][0]);
+        x3_split2(s[2 * ks][2], s[2 * ks][3], hi[ks][1], lo[ks][1]);
+        x3_split2(s[2 * ks + 1][0], s[2 * ks + 1][1], hi[ks][2], lo[ks][2]);
+        x3_split2(s[2 * ks + 1][2], s[2 * ks + 1][3], hi[ks][3], lo[ks][3]);
+    }
+}
+__device__ __forceinline__ void abs_max_finite(float x, float& mx, bool& bad) {
+    const float a = fabsf(x);
+    if (a <= 3.402823466e38f) mx = fmaxf(mx, a);   // false for Inf and NaN
+    else bad = true;
 }
 
 // Element I/O. fp16 and bf16 travel as raw 16-bit storage; the row-wise kernel takes their kind as
@@ -485,6 +555,49 @@ __device__ __forceinline__ bool own_tile_sw_zero_nonfinite(Elem* dst, bool bf16)
             }
         }
     return bad;
+}
+
+// x3: the CTA's Q tile (BM rows of D fp32 values from row_ptr, null rows and columns past D as
+// zeros), times 2^e with e from its largest finite |x|, stored as fp16 hi and lo tiles in the
+// swizzled layout. Returns whether the tile holds Inf or NaN (the same answer in every thread).
+// `red` is NT / 32 words of shared memory that nothing else touches until the next barrier.
+template <int DP, int BM, int NT, typename RowPtr>
+__device__ __forceinline__ bool x3_load_q(Half16* hi, Half16* lo, RowPtr row_ptr, int D, int& e, uint32_t* red) {
+    constexpr int kChunks = DP / 4;   // float4 per row
+    constexpr int kPer = BM * kChunks / NT;
+    static_assert(BM * kChunks % NT == 0, "Q tile copy mapping");
+    float4 x[kPer];
+    float mx = 0.f;
+    bool bad = false;
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+        const int i = int(threadIdx.x) + k * NT, r = i / kChunks, c = (i % kChunks) * 4;
+        const float* src = row_ptr(r);
+        x[k] = src != nullptr && c < D ? *reinterpret_cast<const float4*>(src + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+        abs_max_finite(x[k].x, mx, bad);
+        abs_max_finite(x[k].y, mx, bad);
+        abs_max_finite(x[k].z, mx, bad);
+        abs_max_finite(x[k].w, mx, bad);
+    }
+    const uint32_t warp_max = __reduce_max_sync(0xffffffffu, __float_as_uint(mx));
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = warp_max;
+    const bool any_bad = __syncthreads_or(bad);
+    uint32_t all_max = 0;
+#pragma unroll
+    for (int w = 0; w < NT / 32; ++w) all_max = max(all_max, red[w]);
+    e = x3_exponent(all_max);
+    const float f1 = pow2_exact(e / 2), f2 = pow2_exact(e - e / 2);
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+        const int i = int(threadIdx.x) + k * NT, r = i / kChunks, c = (i % kChunks) * 4;
+        uint2 h, l;
+        x3_split2(x[k].x * f1 * f2, x[k].y * f1 * f2, h.x, l.x);
+        x3_split2(x[k].z * f1 * f2, x[k].w * f1 * f2, h.y, l.y);
+        const uint32_t off = sw128_offset(r, c, BM);
+        *reinterpret_cast<uint2*>(reinterpret_cast<char*>(hi) + off) = h;
+        *reinterpret_cast<uint2*>(reinterpret_cast<char*>(lo) + off) = l;
+    }
+    return any_bad;
 }
 
 // True if any value this thread copied with load_rows (same arguments, same thread mapping) is
@@ -603,6 +716,7 @@ gqa_fwd_kernel(const GqaParams p) {
     using Elem = ElemOf<kDtype>;
     using Tr = TileTraits<DP, KW, Elem, kWg>;
     constexpr bool kHalf = Tr::kHalf;
+    constexpr bool kX3 = kWg && !kHalf;   // fp32 as three fp16 products: shared memory holds hi and lo
     constexpr bool bf16 = kDtype == kGqaBFloat16;
     constexpr int BM = Tr::kBlockM, BN = Tr::kBlockN, LD = Tr::kLd, NT = Tr::kThreads;
     constexpr int TK = Tr::kTileKeys;
@@ -625,6 +739,9 @@ gqa_fwd_kernel(const GqaParams p) {
     // Longest rows first: the first wave of CTAs takes the last query tile of every (b, kv head).
     const int qtile = n_qtiles - 1 - int(blockIdx.x / bh_count);
     const int bh = int(blockIdx.x % bh_count);
+    if constexpr (!kWg && !kHalf) {
+        if (p.redo != nullptr && p.redo[blockIdx.x] == 0) return;   // done by the x3 kernel
+    }
     const int b = bh / p.Hkv, kvh = bh % p.Hkv;
 
     const int r0 = qtile * BM;
@@ -643,21 +760,35 @@ gqa_fwd_kernel(const GqaParams p) {
     };
     // Keys past t_hi are read by no warp, except the zero-filled tail of the last warp slice.
     auto kv_rows = [&](int tile) { return min(TK, (t_hi + 1 - tile * TK + BN - 1) / BN * BN); };
+    // x3: this head's split K and V rows in the workspace, [T][hi, lo][DP] each.
+    const Half16* x3_k = nullptr;
+    const Half16* x3_v = nullptr;
+    if constexpr (kX3) {
+        x3_k = x3_work(p, DP).kv + int64_t(bh) * T * 2 * DP;
+        x3_v = x3_k + int64_t(bh_count) * T * 2 * DP;
+    }
     auto load_kv = [&](int tile, int stage) {
         const int n0 = tile * TK;
         auto k_row = [&](int r) -> const Elem* { return n0 + r < T ? k_base + int64_t(n0 + r) * p.k_stride_t : nullptr; };
         auto v_row = [&](int r) -> const Elem* { return n0 + r < T ? v_base + int64_t(n0 + r) * p.v_stride_t : nullptr; };
-        if constexpr (kWg) {   // launched only with 16-byte-aligned rows
+        if constexpr (kX3) {   // a stage of TK * LD floats holds the hi tile, then the lo tile
+            Half16* kd = reinterpret_cast<Half16*>(sK + stage * TK * LD);
+            Half16* vd = reinterpret_cast<Half16*>(sV + stage * TK * LD);
+            load_tile_sw<Half16, DP, TK, NT>(kd, x3_k, 2 * DP, n0, T, DP);
+            load_tile_sw<Half16, DP, TK, NT>(kd + TK * LD, x3_k + DP, 2 * DP, n0, T, DP);
+            load_tile_sw<Half16, DP, TK, NT>(vd, x3_v, 2 * DP, n0, T, DP);
+            load_tile_sw<Half16, DP, TK, NT>(vd + TK * LD, x3_v + DP, 2 * DP, n0, T, DP);
+        } else if constexpr (kWg) {   // launched only with 16-byte-aligned rows
             load_tile_sw<Elem, DP, TK, NT>(sK + stage * TK * LD, k_base, p.k_stride_t, n0, T, p.D);
             load_tile_sw<Elem, DP, TK, NT>(sV + stage * TK * LD, v_base, p.v_stride_t, n0, T, p.D);
-            return;
+        } else {
+            const int rows = kv_rows(tile);
+            load_rows<Elem, DP, TK, NT, kWg>(sK + stage * TK * LD, k_row, k_base, rows, p.D, p.vec16);
+            load_rows<Elem, DP, TK, NT, kWg>(sV + stage * TK * LD, v_row, v_base, rows, p.D, p.vec16);
         }
-        const int rows = kv_rows(tile);
-        load_rows<Elem, DP, TK, NT, kWg>(sK + stage * TK * LD, k_row, k_base, rows, p.D, p.vec16);
-        load_rows<Elem, DP, TK, NT, kWg>(sV + stage * TK * LD, v_row, v_base, rows, p.D, p.vec16);
     };
 
-    load_rows<Elem, DP, BM, NT, kWg>(sQ, q_row, q_base, BM, p.D, p.vec16);
+    if constexpr (!kX3) load_rows<Elem, DP, BM, NT, kWg>(sQ, q_row, q_base, BM, p.D, p.vec16);
     load_kv(0, 0);
     cp_async_commit();
 
@@ -667,7 +798,23 @@ gqa_fwd_kernel(const GqaParams p) {
     const int wkey = (warp / Tr::kRowWarps) * BN;   // the warp's first key in each K/V tile
     const int ksteps = (p.D + 7) / 8;            // 8-column steps that touch real columns
     const int terms = p.tf32_single ? 1 : 3;     // TF32 products per fp32 product
-    const float scale_log2 = p.scale_log2;
+    float scale_log2 = p.scale_log2;   // x3: also undoes the scales of Q and K
+    int x3_ev = 0;                     // x3: V's scale exponent, undone in the epilogue
+    if constexpr (kX3) {
+        const X3Work w = x3_work(p, DP);
+        int eq = 0;
+        uint32_t* red = reinterpret_cast<uint32_t*>(sV + (Tr::kStages - 1) * TK * LD);   // first filled in the loop
+        const bool q_bad = x3_load_q<DP, BM, NT>(reinterpret_cast<Half16*>(sQ), reinterpret_cast<Half16*>(sQ) + BM * LD,
+                                                 q_row, p.D, eq, red);
+        const bool bail = q_bad || w.bad[bh] != 0;
+        if (threadIdx.x == 0) w.redo[blockIdx.x] = bail;
+        if (bail) {   // the whole CTA: its 3xTF32 twin takes these rows
+            cp_async_wait<0>();
+            return;
+        }
+        scale_log2 = x3_scale(x3_scale(scale_log2, -eq), -x3_exponent(w.absmax[bh]));
+        x3_ev = x3_exponent(w.absmax[bh_count + bh]);
+    }
 
     // This thread's rows: row r is gid + 8 * (r % 2) of m-tile r / 2, i.e. fragment half r % 2 of
     // the m-tile's accumulators.
@@ -704,7 +851,7 @@ gqa_fwd_kernel(const GqaParams p) {
     // masks (a masked key's 0 * inf in the mma); elsewhere the mma already gives the reference's
     // values, and masked scores are overwritten. Only this thread's copies: the caller reduces.
     auto own_tile_bad = [&](int n, int stage) -> bool {
-        if constexpr (kWg) {
+        if constexpr (kWg && kHalf) {
             return n * TK + TK - 1 > r0 / G && own_tile_sw_zero_nonfinite<Elem, DP, TK, NT>(sV + stage * TK * LD, bf16);
         } else if constexpr (kHalf) {
             return n * TK + TK - 1 > r0 / G &&
@@ -743,14 +890,15 @@ gqa_fwd_kernel(const GqaParams p) {
             // -inf only while every key this warp has seen for the row is masked (key-split
             // warps past the row's time step) or when the scores are not finite.
             const float m_ref = m_new == -INFINITY ? 0.f : m_new;
+            const float m_exp = kX3 ? m_ref - kX3PShift : m_ref;   // x3: P times 2^kX3PShift
             f[r] = fast_exp2(m[r] - m_ref);
             l[r] *= f[r];
             if constexpr (!kWg) rescale_o(r, f[r]);   // no P V in flight here
             m[r] = m_new;
 #pragma unroll
             for (int j = 0; j < kNTiles; ++j) {
-                st[j][h] = fast_exp2(fmaf(st[j][h], scale_log2, -m_ref));
-                st[j][h + 1] = fast_exp2(fmaf(st[j][h + 1], scale_log2, -m_ref));
+                st[j][h] = fast_exp2(fmaf(st[j][h], scale_log2, -m_exp));
+                st[j][h + 1] = fast_exp2(fmaf(st[j][h + 1], scale_log2, -m_exp));
                 l[r] += st[j][h] + st[j][h + 1];
             }
         }
@@ -813,7 +961,70 @@ gqa_fwd_kernel(const GqaParams p) {
             }
     };
 
-    if constexpr (kWg) {
+    if constexpr (kX3) {
+        // The wgmma pipeline below, with three products each: S of tile n + 1 and its softmax
+        // while P V of tile n runs. P V lands in pv, from zero, and is added to O when it is done.
+        float s[MT][kNTiles][4];
+        float f[kRows];
+        float pv[kDTiles][4];
+        auto stage_of = [](int n) { return n % Tr::kStages; };
+        const Half16* q_hi = reinterpret_cast<const Half16*>(sQ);
+        const Half16* q_lo = q_hi + BM * LD;
+        auto issue_qk = [&](int n) {
+            const Half16* k_hi = reinterpret_cast<const Half16*>(sK + stage_of(n) * TK * LD);
+            qk_wgmma<false, DP, BM, TK>(s[0], q_hi, 0, k_hi + TK * LD);   // hi * lo, from zero
+            qk_wgmma<false, DP, BM, TK>(s[0], q_lo, 0, k_hi, true);       // lo * hi
+            qk_wgmma<false, DP, BM, TK>(s[0], q_hi, 0, k_hi, true);       // hi * hi
+        };
+        auto issue_pv = [&](const uint32_t (&p_hi)[4][4], const uint32_t (&p_lo)[4][4], int n) {
+            const Half16* v_hi = reinterpret_cast<const Half16*>(sV + stage_of(n) * TK * LD);
+            pv_wgmma<false, DP, TK>(pv, p_hi, v_hi + TK * LD, false);   // hi * lo, from zero
+            pv_wgmma<false, DP, TK>(pv, p_lo, v_hi);                    // lo * hi
+            pv_wgmma<false, DP, TK>(pv, p_hi, v_hi);                    // hi * hi
+        };
+        if (n_kv > 1) load_kv(1, 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        fence_async_proxy();   // this thread's Q stores and copies, before wgmma reads them
+        __syncthreads();
+        issue_qk(0);
+        wg_commit();
+        wg_wait<0>();
+        fence_regs(reinterpret_cast<float(&)[MT * kNTiles * 4]>(s));
+        mask_softmax(s, 0, f);
+        for (int n = 0; n + 1 < n_kv; ++n) {
+            cp_async_wait<0>();
+            fence_async_proxy();
+            __syncthreads();   // tile n + 1 landed; every warp is past P V of tile n - 1
+            if (n + 2 < n_kv) load_kv(n + 2, stage_of(n + 2));
+            cp_async_commit();
+            uint32_t p_hi[4][4], p_lo[4][4];   // P of tile n; read by the wgmma until it completes
+            x3_split_p(p_hi, p_lo, s[0]);
+            issue_qk(n + 1);
+            wg_commit();
+            issue_pv(p_hi, p_lo, n);
+            wg_commit();
+            wg_wait<1>();
+            fence_regs(reinterpret_cast<float(&)[MT * kNTiles * 4]>(s));
+            mask_softmax(s, (n + 1) * TK, f);
+            wg_wait<0>();
+            fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(pv));
+#pragma unroll
+            for (int d = 0; d < kDTiles; ++d)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) o[0][d][e] = (o[0][d][e] + pv[d][e]) * f[e >> 1];
+        }
+        uint32_t p_hi[4][4], p_lo[4][4];
+        x3_split_p(p_hi, p_lo, s[0]);
+        issue_pv(p_hi, p_lo, n_kv - 1);
+        wg_commit();
+        wg_wait<0>();
+        fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(pv));
+#pragma unroll
+        for (int d = 0; d < kDTiles; ++d)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[0][d][e] += pv[d][e];
+    } else if constexpr (kWg) {
         float s[MT][kNTiles][4];   // S, then P, of the tile in hand
         float f[kRows];            // O's rescale factors from the last softmax
         // Software pipeline over the warpgroup's async products: while P V of tile n runs, S of
@@ -970,8 +1181,13 @@ gqa_fwd_kernel(const GqaParams p) {
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
             const int c = d * 8 + 2 * tig;
-            if (c < p.D) dst[c] = from_float<Elem>(ot[d][h] * inv, bf16);
-            if (c + 1 < p.D) dst[c + 1] = from_float<Elem>(ot[d][h + 1] * inv, bf16);
+            float y0 = ot[d][h] * inv, y1 = ot[d][h + 1] * inv;
+            if constexpr (kX3) {
+                y0 = x3_scale(y0, -x3_ev);
+                y1 = x3_scale(y1, -x3_ev);
+            }
+            if (c < p.D) dst[c] = from_float<Elem>(y0, bf16);
+            if (c + 1 < p.D) dst[c + 1] = from_float<Elem>(y1, bf16);
         }
     }
 }
@@ -1287,6 +1503,65 @@ gqa_rowwise_kernel(const GqaParams p, int kc, const RowwiseDivs dv) {
 
 __global__ void gqa_empty_kernel() {}
 
+// x3, before the attention kernel: the largest finite |x| of each head's K and V, and whether
+// the head holds Inf or NaN (absmax and bad start at zero). Grid: (ceil(T / kX3Rows), B * Hkv,
+// 2 for K and V); rows of D fp32 values, 16-byte aligned.
+__device__ __forceinline__ const float* x3_head_rows(const GqaParams& p, int z, int bh, int64_t& stride_t) {
+    const int b = bh / p.Hkv, h = bh % p.Hkv;
+    stride_t = z ? p.v_stride_t : p.k_stride_t;
+    return static_cast<const float*>(z ? p.v : p.k) + b * (z ? p.v_stride_b : p.k_stride_b) +
+           h * (z ? p.v_stride_h : p.k_stride_h);
+}
+template <int DP>
+__global__ void __launch_bounds__(kX3Threads) x3_absmax_kernel(const GqaParams p) {
+    const X3Work w = x3_work(p, DP);
+    const int z = int(blockIdx.z), bh = int(blockIdx.y), t0 = int(blockIdx.x) * kX3Rows;
+    int64_t stride_t = 0;
+    const float* rows = x3_head_rows(p, z, bh, stride_t);
+    const int chunks = p.D / 4;
+    float mx = 0.f;
+    bool bad = false;
+    for (int i = threadIdx.x; i < kX3Rows * chunks; i += kX3Threads) {
+        const int t = t0 + i / chunks, c = (i % chunks) * 4;
+        if (t >= p.T) break;
+        const float4 x = *reinterpret_cast<const float4*>(rows + t * stride_t + c);
+        abs_max_finite(x.x, mx, bad);
+        abs_max_finite(x.y, mx, bad);
+        abs_max_finite(x.z, mx, bad);
+        abs_max_finite(x.w, mx, bad);
+    }
+    const uint32_t warp_max = __reduce_max_sync(0xffffffffu, __float_as_uint(mx));
+    const bool warp_bad = __any_sync(0xffffffffu, bad);
+    if (threadIdx.x % 32 == 0) {
+        atomicMax(&w.absmax[z * p.B * p.Hkv + bh], warp_max);
+        if (warp_bad) atomicOr(&w.bad[bh], 1u);
+    }
+}
+// x3: K and V rows times 2^e of their head, as fp16 hi and lo rows in the workspace, zero past D.
+template <int DP>
+__global__ void __launch_bounds__(kX3Threads) x3_split_kernel(const GqaParams p) {
+    const X3Work w = x3_work(p, DP);
+    const int z = int(blockIdx.z), bh = int(blockIdx.y), t0 = int(blockIdx.x) * kX3Rows;
+    const int bh_count = p.B * p.Hkv;
+    int64_t stride_t = 0;
+    const float* rows = x3_head_rows(p, z, bh, stride_t);
+    const int e = x3_exponent(w.absmax[z * bh_count + bh]);
+    const float f1 = pow2_exact(e / 2), f2 = pow2_exact(e - e / 2);
+    Half16* dst = w.kv + (int64_t(z) * bh_count + bh) * p.T * 2 * DP;
+    constexpr int kChunks = DP / 4;
+    for (int i = threadIdx.x; i < kX3Rows * kChunks; i += kX3Threads) {
+        const int t = t0 + i / kChunks, c = (i % kChunks) * 4;
+        if (t >= p.T) break;
+        const float4 x = c < p.D ? *reinterpret_cast<const float4*>(rows + t * stride_t + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+        uint2 h, l;
+        x3_split2(x.x * f1 * f2, x.y * f1 * f2, h.x, l.x);
+        x3_split2(x.z * f1 * f2, x.w * f1 * f2, h.y, l.y);
+        Half16* row = dst + int64_t(t) * 2 * DP;
+        *reinterpret_cast<uint2*>(row + c) = h;
+        *reinterpret_cast<uint2*>(row + DP + c) = l;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Per-device facts, read once.
 constexpr int kMaxDevices = 64;
@@ -1394,6 +1669,34 @@ cudaError_t launch_best(const GqaParams& p, cudaStream_t stream, int dev) {
 constexpr int kRowwiseMaxT = 128;
 constexpr int kRowwiseMaxD = 8;
 
+// fp32 takes the x3 path (fp32 as three fp16 products, above) on an sm_90a build, at head_dim
+// 33..128 with 16-byte-aligned rows, unless allow_tf32 was set, and when its grid (one CTA per 64
+// packed rows) fills the GPU; smaller grids keep the key-split 3xTF32 kernel.
+bool use_x3(const GqaParams& p, int dev) {
+    if (!kHaveWgmma || p.dtype != kGqaFloat32 || p.tf32_single || !p.vec16) return false;
+    if (p.T <= kRowwiseMaxT || p.D <= 32 || p.D > 128 || int64_t(p.B) * p.Hkv > 65535) return false;
+    return (int64_t(p.T) * p.group + 63) / 64 * p.B * p.Hkv >= sm_count(dev);
+}
+int x3_width(const GqaParams& p) { return p.D <= 64 ? 64 : 128; }
+
+// Scan and split K and V, run the x3 attention kernel, then the 3xTF32 kernel for the CTAs that
+// met Inf or NaN (the others return at once).
+template <int DP>
+cudaError_t launch_x3(const GqaParams& p, cudaStream_t stream, int dev) {
+    const X3Work w = x3_work(p, DP);
+    const int bh_count = p.B * p.Hkv;
+    cudaError_t err = cudaMemsetAsync(w.absmax, 0, sizeof(uint32_t) * 3 * size_t(bh_count), stream);
+    if (err != cudaSuccess) return err;
+    const dim3 grid(unsigned((p.T + kX3Rows - 1) / kX3Rows), unsigned(bh_count), 2);
+    x3_absmax_kernel<DP><<<grid, kX3Threads, 0, stream>>>(p);
+    x3_split_kernel<DP><<<grid, kX3Threads, 0, stream>>>(p);
+    err = launch<kGqaFloat32, DP, 1, true>(p, stream, dev);
+    if (err != cudaSuccess) return err;
+    GqaParams redo = p;
+    redo.redo = w.redo;
+    return launch<kGqaFloat32, DP, 1>(redo, stream, dev);
+}
+
 // The single dispatch: dtype, sequence length and head_dim pick the kernel and its compiled width.
 template <int kDtype>
 cudaError_t dispatch(const GqaParams& p, cudaStream_t stream) {
@@ -1401,6 +1704,11 @@ cudaError_t dispatch(const GqaParams& p, cudaStream_t stream) {
     const cudaError_t err = cudaGetDevice(&dev);
     if (err != cudaSuccess) return err;
     if (p.T <= kRowwiseMaxT || p.D <= kRowwiseMaxD) return launch_rowwise<ElemOf<kDtype>>(p, stream, dev);
+    if constexpr (kHaveWgmma && kDtype == kGqaFloat32) {
+        if (p.workspace != nullptr && use_x3(p, dev)) {
+            return x3_width(p) == 64 ? launch_x3<64>(p, stream, dev) : launch_x3<128>(p, stream, dev);
+        }
+    }
     if (p.D <= 32) return launch_best<kDtype, 32>(p, stream, dev);
     if (p.D <= 64) return launch_best<kDtype, 64>(p, stream, dev);
     if (p.D <= 128) return launch_best<kDtype, 128>(p, stream, dev);
@@ -1418,6 +1726,13 @@ int gqa_forward(const GqaParams& p, void* stream) {
         case kGqaBFloat16: return int(dispatch<kGqaBFloat16>(p, s));
         default: return int(cudaErrorInvalidValue);
     }
+}
+
+int64_t gqa_workspace_bytes(const GqaParams& p) {
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || !use_x3(p, dev)) return 0;
+    const int64_t blocks = (int64_t(p.T) * p.group + 63) / 64 * p.B * p.Hkv;
+    return x3_kv_elems(p, x3_width(p)) * int64_t(sizeof(Half16)) + int64_t(sizeof(uint32_t)) * 3 * p.B * p.Hkv + blocks;
 }
 
 int gqa_empty_launch(void* /*out*/, void* stream) {

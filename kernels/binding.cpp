@@ -110,6 +110,13 @@ at::Tensor causal_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
     p.tf32_single = q.scalar_type() == c10::ScalarType::Float && at::globalContext().allowTF32CuBLAS();
     p.vec16 = rows_16b_aligned(q) && rows_16b_aligned(k) && rows_16b_aligned(v);
 
+    // Scratch lives until the end of this call; the caching allocator orders its reuse on the stream.
+    const int64_t scratch_bytes = gqa_workspace_bytes(p);
+    at::Tensor scratch;
+    if (scratch_bytes > 0) {
+        scratch = at::empty({scratch_bytes}, q.options().dtype(c10::ScalarType::Byte));
+        p.workspace = scratch.data_ptr();
+    }
     const int err = gqa_forward(p, c10::cuda::getCurrentCUDAStream().stream());
     TORCH_CHECK(err == 0, "causal_gqa_attention: kernel launch failed: ",
                 cudaGetErrorString(static_cast<cudaError_t>(err)));

@@ -24,11 +24,19 @@ struct GqaParams {
     int dtype;          // GqaDtype of q, k, v and o
     bool tf32_single;   // one TF32 product instead of three (allow_tf32 was set)
     bool vec16;         // every row start is 16-byte aligned: copy 16 bytes at a time
+
+    // Scratch for the fp32 path on sm_90a: gqa_workspace_bytes(params) bytes, 256-byte aligned,
+    // allocated by the caller on the launch stream when that is not 0, else null.
+    void* workspace;
+    // Set by the dispatcher only: CTAs of the fp32 tiled kernel to run (1) or skip (0); null = all.
+    const uint8_t* redo;
 };
 
 // Both return a cudaError_t as int (0 on success); `stream` is a cudaStream_t.
 int gqa_forward(const GqaParams& params, void* stream);
 int gqa_empty_launch(void* out, void* stream);
+// Bytes of scratch gqa_forward needs for these params on the current device (0: none).
+int64_t gqa_workspace_bytes(const GqaParams& params);
 
 // Largest supported head_dim.
 constexpr int kGqaMaxHeadDim = 256;
