@@ -1,5 +1,5 @@
-// Causal grouped-query attention, forward, on tensor cores: fp32 inputs at fp32 accuracy (3xTF32),
-// fp16 and bf16 inputs on 16-bit products.
+// Causal grouped-query attention, forward, on tensor cores: fp32 inputs at fp32 accuracy (three
+// fp16 products on sm_90a, 3xTF32 elsewhere), fp16 and bf16 inputs on 16-bit products.
 //
 //   q: (B, T, Hq, D)   k, v: (B, T, Hkv, D)   o: (B, T, Hq, D)
 //   o[b, t, h] = softmax_j<=t(q[b, t, h] . k[b, j, h / G] / sqrt(D)) . v[b, j, h / G],  G = Hq / Hkv
@@ -25,6 +25,9 @@
 //  - fp16 and bf16 on sm_90a (kWg, head_dim 64 and 128, 16-byte-aligned rows): one warpgroup of
 //    64 rows per CTA, Q, K and V in 128-byte-swizzled shared memory, both products on wgmma, and a
 //    software pipeline that computes S of the next tile and its softmax while P V of this one runs.
+//  - fp32 on sm_90a (kX3, the same pipeline, head_dim 33..128): each operand scaled by a power of
+//    two and split into fp16 hi and lo, three wgmma products per product (see "fp32 on sm_90a as
+//    three fp16 products" below); K and V are split once per call into a workspace.
 //
 // Short sequences (T <= kRowwiseMaxT) and head dims too small for a tensor-core tile go to a
 // row-wise fp32 FMA kernel instead (gqa_rowwise_kernel, below): there the cost is latency, not
@@ -65,9 +68,10 @@ template <int kDtype> using ElemOf = typename std::conditional<kDtype == kGqaFlo
 // row by an odd number of 16-byte units, so the 8 rows an ldmatrix reads hit distinct banks.
 template <typename Elem, int DP> __host__ __device__ constexpr int tile_ld() { return std::is_same<Elem, float>::value ? DP + 4 : DP + 8; }
 
-// kWg: the sm_90a variant for 16-bit inputs (head_dim 64 and 128): one warpgroup of 64 rows (two
-// CTAs per SM run independently, so one's softmax overlaps the other's products), both products
-// on wgmma, Q, K and V in 128-byte-swizzled shared memory (no padding), three K/V stages.
+// kWg: the sm_90a variant (head_dim 64 and 128): one warpgroup of 64 rows (16-bit: two CTAs per
+// SM run independently, so one's softmax overlaps the other's products), both products on wgmma,
+// Q, K and V in 128-byte-swizzled shared memory (no padding), three K/V stages. With fp32 (x3)
+// the room of each fp32 tile holds the tile's fp16 hi values, then its fp16 lo values.
 template <int DP, int KW, typename Elem, bool kWg = false> struct TileTraits {
     static constexpr bool kHalf = !std::is_same<Elem, float>::value;
     static constexpr int kWarps = KW == 1 ? 4 : KW;
