@@ -1,6 +1,7 @@
-"""CPU emulation of the fp32-as-three-fp16-products proposal (NOTES lead 1) against float64:
-row-scaled hi/lo fp16 splits for Q and K, P split unscaled, V scaled per (tile, column), exact
-products summed in fp32, online softmax over 64-key tiles. `python bench/emulate_fp16x3.py`."""
+"""CPU emulation, against float64, of fp32 as three fp16 products as first proposed (NOTES v16;
+the kernel scales K and V per head and Q per tile instead): row-scaled hi/lo fp16 splits for Q
+and K, P split unscaled, V scaled per (tile, column), exact products summed in fp32, online
+softmax over 64-key tiles. `python bench/emulate_fp16x3.py`."""
 import torch
 torch.manual_seed(0)
 
