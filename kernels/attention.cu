@@ -115,9 +115,12 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// 2^x in one MUFU instruction. Results below 2^-126 flush to zero (without .ftz the compiler
+// wraps every exp in a range test and two multiplies): a probability that small is below fp32's
+// resolution next to the row maximum's 1.
 __device__ __forceinline__ float fast_exp2(float x) {
     float y;
-    asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
 
@@ -476,6 +479,11 @@ template <> __device__ __forceinline__ float from_float<float>(float x, bool) { 
 template <> __device__ __forceinline__ Half16 from_float<Half16>(float x, bool bf16) {
     return bf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(x)) : __half_as_ushort(__float2half_rn(x));
 }
+// Two adjacent output values as one store; dst is aligned to twice the element size.
+__device__ __forceinline__ void store_pair(float* dst, float a, float b, bool) { *reinterpret_cast<float2*>(dst) = make_float2(a, b); }
+__device__ __forceinline__ void store_pair(Half16* dst, float a, float b, bool bf16) {
+    *reinterpret_cast<uint32_t*>(dst) = uint32_t(from_float<Half16>(a, bf16)) | uint32_t(from_float<Half16>(b, bf16)) << 16;
+}
 
 // Copies the first `rows` (<= ROWS) rows of D elements into shared memory of the input dtype, row
 // pitch tile_ld, zero-filling columns D..DP-1 and rows whose pointer is null (past the end of the
@@ -537,28 +545,44 @@ __device__ __forceinline__ void load_tile_sw(Elem* dst, const Elem* base, int64_
     const int r = M::row(), c = M::col();
     char* d = reinterpret_cast<char*>(dst) + sw128_offset(r, c, ROWS);
     const Elem* src = base + int64_t(n0 + r) * stride + c;
+    const int64_t step = int64_t(M::kRowStep) * stride;
+    const int rows_left = c < D ? T - n0 - r : 0;   // this thread's rows that exist
 #pragma unroll
     for (int k = 0; k < ROWS / M::kRowStep; ++k) {
-        const bool ok = c < D && n0 + r + k * M::kRowStep < T;
-        cp_async16(d + k * M::kRowStep * 128, ok ? src + int64_t(k * M::kRowStep) * stride : base, ok ? 16 : 0);
+        const bool ok = k * M::kRowStep < rows_left;
+        cp_async16(d + k * M::kRowStep * 128, ok ? src : base, ok ? 16 : 0);
+        src += step;
     }
 }
 template <typename Elem, int DP, int ROWS, int NT>
 __device__ __forceinline__ bool own_tile_sw_zero_nonfinite(Elem* dst, bool bf16) {
+    static_assert(sizeof(Elem) == 2, "16-bit tiles only");
     using M = SwTileMap<Elem, DP, ROWS, NT>;
-    Elem* x = dst + sw128_offset(M::row(), M::col(), ROWS) / sizeof(Elem);
-    bool bad = false;
+    constexpr int kCopies = ROWS / M::kRowStep;
+    char* x = reinterpret_cast<char*>(dst) + sw128_offset(M::row(), M::col(), ROWS);
+    // A value is Inf or NaN when its exponent field is all ones: adding one at the field's lowest
+    // bit then carries into the value's sign bit, and only then. Fields are masked first, so no
+    // carry crosses from one value of a word into the other.
+    const uint32_t field = bf16 ? 0x7f807f80u : 0x7c007c00u;
+    const uint32_t unit = bf16 ? 0x00800080u : 0x04000400u;
+    auto carries = [&](uint32_t w) { return ((w & field) + unit) & 0x80008000u; };
+    uint32_t hit = 0;
 #pragma unroll
-    for (int k = 0; k < ROWS / M::kRowStep; ++k)
+    for (int k = 0; k < kCopies; ++k) {
+        const uint4 w = *reinterpret_cast<const uint4*>(x + k * M::kRowStep * 128);
+        hit |= carries(w.x) | carries(w.y) | carries(w.z) | carries(w.w);
+    }
+    if (hit == 0) return false;
+#pragma unroll 1
+    for (int k = 0; k < kCopies; ++k) {
+        uint32_t* w = reinterpret_cast<uint32_t*>(x + k * M::kRowStep * 128);
 #pragma unroll
-        for (int e = 0; e < 16 / int(sizeof(Elem)); ++e) {
-            Elem& v = x[k * M::kRowStep * 128 / sizeof(Elem) + e];
-            if (nonfinite_value(v, bf16)) {
-                v = Elem(0);
-                bad = true;
-            }
+        for (int i = 0; i < 4; ++i) {
+            const uint32_t c = carries(w[i]);
+            w[i] &= (c & 0x8000u ? 0xffff0000u : 0xffffffffu) & (c & 0x80000000u ? 0x0000ffffu : 0xffffffffu);
         }
-    return bad;
+    }
+    return true;
 }
 
 // x3: the CTA's Q tile (BM rows of D fp32 values from row_ptr, null rows and columns past D as
@@ -713,10 +737,35 @@ __device__ __forceinline__ void pv_tf32(float (&o)[DP / 8][4], const float (&s)[
     }
 }
 
+// Division of a non-negative int below 2^31 by a divisor d fixed at launch: with l = ceil(log2 d)
+// and m = ceil(2^(31+l) / d), floor(n / d) = floor(m n / 2^(31+l)), one multiply-high and a shift.
+struct FastDiv {
+    int d;
+    uint32_t mul;
+    int shift;
+    FastDiv() = default;
+    explicit FastDiv(int divisor) : d(divisor), mul(0), shift(0) {
+        if (d > 1) {
+            int l = 0;
+            while ((int64_t(1) << l) < d) ++l;
+            mul = uint32_t(((uint64_t(1) << (31 + l)) + uint64_t(d) - 1) / uint64_t(d));
+            shift = l - 1;
+        }
+    }
+    __device__ __forceinline__ int div(int n) const { return d == 1 ? n : int(__umulhi(uint32_t(n), mul) >> shift); }
+};
+
+// The tiled kernel's divisors: CTA index -> (row tile, batch and kv head), packed row -> time step.
+struct TileDivs {
+    FastDiv bh;      // B * Hkv
+    FastDiv hkv;     // Hkv
+    FastDiv group;   // G
+};
+
 // ---------------------------------------------------------------------------------------------
 template <int kDtype, int DP, int KW, bool kWg>
 __global__ void __launch_bounds__(TileTraits<DP, KW, ElemOf<kDtype>, kWg>::kThreads)
-gqa_fwd_kernel(const GqaParams p) {
+gqa_fwd_kernel(const GqaParams p, const TileDivs dv) {
     using Elem = ElemOf<kDtype>;
     using Tr = TileTraits<DP, KW, Elem, kWg>;
     constexpr bool kHalf = Tr::kHalf;
@@ -741,15 +790,17 @@ gqa_fwd_kernel(const GqaParams p) {
     const int rows_total = T * G;   // T * Hq < 2^31 is checked on the host
     const int n_qtiles = (rows_total + BM - 1) / BM;
     // Longest rows first: the first wave of CTAs takes the last query tile of every (b, kv head).
-    const int qtile = n_qtiles - 1 - int(blockIdx.x / bh_count);
-    const int bh = int(blockIdx.x % bh_count);
+    const int bh_tile = dv.bh.div(int(blockIdx.x));
+    const int qtile = n_qtiles - 1 - bh_tile;
+    const int bh = int(blockIdx.x) - bh_tile * bh_count;
     if constexpr (!kWg && !kHalf) {
         if (p.redo != nullptr && p.redo[blockIdx.x] == 0) return;   // done by the x3 kernel
     }
-    const int b = bh / p.Hkv, kvh = bh % p.Hkv;
+    const int b = dv.hkv.div(bh), kvh = bh - b * p.Hkv;
 
     const int r0 = qtile * BM;
-    const int t_hi = min((r0 + BM - 1) / G, T - 1);
+    const int t_lo = dv.group.div(r0);   // time step of the CTA's first row
+    const int t_hi = min(dv.group.div(r0 + BM - 1), T - 1);
     const int n_kv = t_hi / TK + 1;            // K/V tiles this CTA visits
 
     const Elem* q_base = static_cast<const Elem*>(p.q) + b * p.q_stride_b + int64_t(kvh) * G * p.q_stride_h;
@@ -759,7 +810,7 @@ gqa_fwd_kernel(const GqaParams p) {
     auto q_row = [&](int r) -> const Elem* {
         const int R = r0 + r;
         if (R >= rows_total) return nullptr;
-        const int t = R / G;
+        const int t = dv.group.div(R);
         return q_base + int64_t(t) * p.q_stride_t + int64_t(R - t * G) * p.q_stride_h;
     };
     // Keys past t_hi are read by no warp, except the zero-filled tail of the last warp slice.
@@ -825,9 +876,9 @@ gqa_fwd_kernel(const GqaParams p) {
     auto row_of = [&](int r) { return r0 + wrow + 16 * (r >> 1) + gid + 8 * (r & 1); };
     int row_t[kRows];   // time step of each row
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) row_t[r] = row_of(r) / G;
-    const int warp_t_lo = (r0 + wrow) / G;
-    const int warp_t_hi = min((r0 + wrow + 16 * MT - 1) / G, T - 1);   // rows past T are padding
+    for (int r = 0; r < kRows; ++r) row_t[r] = dv.group.div(row_of(r));
+    const int warp_t_lo = dv.group.div(r0 + wrow);
+    const int warp_t_hi = min(dv.group.div(r0 + wrow + 16 * MT - 1), T - 1);   // rows past T are padding
 
     float o[MT][kDTiles][4];
 #pragma unroll
@@ -856,9 +907,9 @@ gqa_fwd_kernel(const GqaParams p) {
     // values, and masked scores are overwritten. Only this thread's copies: the caller reduces.
     auto own_tile_bad = [&](int n, int stage) -> bool {
         if constexpr (kWg && kHalf) {
-            return n * TK + TK - 1 > r0 / G && own_tile_sw_zero_nonfinite<Elem, DP, TK, NT>(sV + stage * TK * LD, bf16);
+            return n * TK + TK - 1 > t_lo && own_tile_sw_zero_nonfinite<Elem, DP, TK, NT>(sV + stage * TK * LD, bf16);
         } else if constexpr (kHalf) {
-            return n * TK + TK - 1 > r0 / G &&
+            return n * TK + TK - 1 > t_lo &&
                    own_copies_nonfinite<Elem, DP, NT>(sV + stage * TK * LD, kv_rows(n), p.vec16, bf16);
         } else {
             return own_copies_nonfinite<Elem, DP, NT>(sK + stage * TK * LD, kv_rows(n), p.vec16, bf16) ||
@@ -1057,10 +1108,8 @@ gqa_fwd_kernel(const GqaParams p) {
             const bool next_bad = own_tile_bad(n + 1, stage_of(n + 1));
             fence_async_proxy();
             // Tile n + 1 is in shared memory, and every warp is past P V of tile n - 1, so its
-            // stage takes the copies of tile n + 2.
+            // stage takes the copies of tile n + 2 (issued once both products are under way).
             const bool next_nonfinite = __syncthreads_or(next_bad);
-            if (n + 2 < n_kv) load_kv(n + 2, stage_of(n + 2));
-            cp_async_commit();
             if (nonfinite) scalar_pv_nonfinite(s, n * TK);
             uint32_t pa[4][4];   // P of tile n; read by the wgmma until it completes
             pack_p<bf16>(pa, s[0]);
@@ -1068,6 +1117,8 @@ gqa_fwd_kernel(const GqaParams p) {
             wg_commit();
             pv_wgmma<bf16, DP, TK>(o[0], pa, sV + stage_of(n) * TK * LD);
             wg_commit();
+            if (n + 2 < n_kv) load_kv(n + 2, stage_of(n + 2));
+            cp_async_commit();
             wg_wait<1>();
             fence_regs(reinterpret_cast<float(&)[MT * kNTiles * 4]>(s));
             mask_softmax(s, (n + 1) * TK, f);
@@ -1171,15 +1222,16 @@ gqa_fwd_kernel(const GqaParams p) {
         }
     }
 
-    // Normalise and store.
+    // Normalise and store. Each thread holds column pairs (c, c + 1), c even: with D even (the
+    // output is contiguous, so every row start is then even too) a pair is one aligned store.
     Elem* o_base = static_cast<Elem*>(p.o) + b * p.o_stride_b + int64_t(kvh) * G * p.o_stride_h;
+    const bool pairs = (p.D & 1) == 0;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
         const float inv = 1.f / l[r];
         const int R = row_of(r);
         if (R >= rows_total) continue;
-        const int t = R / G;
-        Elem* dst = o_base + int64_t(t) * p.o_stride_t + int64_t(R - t * G) * p.o_stride_h;
+        Elem* dst = o_base + int64_t(row_t[r]) * p.o_stride_t + int64_t(R - row_t[r] * G) * p.o_stride_h;
         const float(&ot)[kDTiles][4] = o[r >> 1];
         const int h = 2 * (r & 1);
 #pragma unroll
@@ -1190,8 +1242,12 @@ gqa_fwd_kernel(const GqaParams p) {
                 y0 = x3_scale(y0, -x3_ev);
                 y1 = x3_scale(y1, -x3_ev);
             }
-            if (c < p.D) dst[c] = from_float<Elem>(y0, bf16);
-            if (c + 1 < p.D) dst[c + 1] = from_float<Elem>(y1, bf16);
+            if (pairs && c < p.D) {
+                store_pair(dst + c, y0, y1, bf16);
+            } else {
+                if (c < p.D) dst[c] = from_float<Elem>(y0, bf16);
+                if (c + 1 < p.D) dst[c + 1] = from_float<Elem>(y1, bf16);
+            }
         }
     }
 }
@@ -1213,24 +1269,6 @@ gqa_fwd_kernel(const GqaParams p) {
 constexpr int kRowWarps = 8;                  // warps per CTA, one query row each
 constexpr int kRowsPerCta = kRowWarps;
 constexpr int kRowSmemBudget = 96 * 1024;     // bytes of shared memory per CTA, at most
-
-// Division of a non-negative int below 2^31 by a divisor d fixed at launch: with l = ceil(log2 d)
-// and m = ceil(2^(31+l) / d), floor(n / d) = floor(m n / 2^(31+l)), one multiply-high and a shift.
-struct FastDiv {
-    int d;
-    uint32_t mul;
-    int shift;
-    FastDiv() = default;
-    explicit FastDiv(int divisor) : d(divisor), mul(0), shift(0) {
-        if (d > 1) {
-            int l = 0;
-            while ((int64_t(1) << l) < d) ++l;
-            mul = uint32_t(((uint64_t(1) << (31 + l)) + uint64_t(d) - 1) / uint64_t(d));
-            shift = l - 1;
-        }
-    }
-    __device__ __forceinline__ int div(int n) const { return d == 1 ? n : int(__umulhi(uint32_t(n), mul) >> shift); }
-};
 
 struct RowwiseDivs {
     FastDiv bh;      // B * Hkv: CTA index -> (row tile, batch and kv head)
@@ -1641,7 +1679,11 @@ cudaError_t launch(const GqaParams& p, cudaStream_t stream, int dev) {
     const int64_t n_qtiles = (int64_t(p.T) * p.group + Tr::kBlockM - 1) / Tr::kBlockM;
     const int64_t blocks = n_qtiles * p.B * p.Hkv;
     if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-    kernel<<<unsigned(blocks), Tr::kThreads, Tr::kSmemBytes, stream>>>(p);
+    TileDivs dv;
+    dv.bh = FastDiv(p.B * p.Hkv);
+    dv.hkv = FastDiv(p.Hkv);
+    dv.group = FastDiv(p.group);
+    kernel<<<unsigned(blocks), Tr::kThreads, Tr::kSmemBytes, stream>>>(p, dv);
     return cudaGetLastError();
 }
 
@@ -1653,6 +1695,10 @@ constexpr bool kHaveWgmma = true;
 constexpr bool kHaveWgmma = false;
 #endif
 
+// CTAs of 64 packed rows (every variant but the 16-bit mma.sync one): the grid of the long
+// variants, of the x3 kernel and of its redo flags.
+int64_t tiles_of_64_rows(const GqaParams& p) { return (int64_t(p.T) * p.group + 63) / 64 * p.B * p.Hkv; }
+
 // Long sequences walk the keys with 4 row warps; in fp32, when that leaves the GPU with less than
 // one CTA per SM, the key-split variant trades rows per CTA for 8x shorter key walks.
 template <int kDtype, int DP>
@@ -1662,8 +1708,7 @@ cudaError_t launch_best(const GqaParams& p, cudaStream_t stream, int dev) {
         return launch<kDtype, DP, 1>(p, stream, dev);
     } else {
         if constexpr (DP <= 128 && kDtype == kGqaFloat32) {
-            const int64_t long_blocks = (int64_t(p.T) * p.group + 63) / 64 * p.B * p.Hkv;
-            if (long_blocks < sm_count(dev)) return launch<kDtype, DP, 8>(p, stream, dev);
+            if (tiles_of_64_rows(p) < sm_count(dev)) return launch<kDtype, DP, 8>(p, stream, dev);
         }
         return launch<kDtype, DP, 1>(p, stream, dev);
     }
@@ -1679,7 +1724,7 @@ constexpr int kRowwiseMaxD = 8;
 bool use_x3(const GqaParams& p, int dev) {
     if (!kHaveWgmma || p.dtype != kGqaFloat32 || p.tf32_single || !p.vec16) return false;
     if (p.T <= kRowwiseMaxT || p.D <= 32 || p.D > 128 || int64_t(p.B) * p.Hkv > 65535) return false;
-    return (int64_t(p.T) * p.group + 63) / 64 * p.B * p.Hkv >= sm_count(dev);
+    return tiles_of_64_rows(p) >= sm_count(dev);
 }
 int x3_width(const GqaParams& p) { return p.D <= 64 ? 64 : 128; }
 
@@ -1735,7 +1780,7 @@ int gqa_forward(const GqaParams& p, void* stream) {
 int64_t gqa_workspace_bytes(const GqaParams& p) {
     int dev = 0;
     if (cudaGetDevice(&dev) != cudaSuccess || !use_x3(p, dev)) return 0;
-    const int64_t blocks = (int64_t(p.T) * p.group + 63) / 64 * p.B * p.Hkv;
+    const int64_t blocks = tiles_of_64_rows(p);
     return x3_kv_elems(p, x3_width(p)) * int64_t(sizeof(Half16)) + int64_t(sizeof(uint32_t)) * 3 * p.B * p.Hkv + blocks;
 }
 
