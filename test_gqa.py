@@ -359,20 +359,26 @@ def test_gpu_empty_inputs():
         assert out.shape == (B, T, 4, 8) and out.is_cuda
 
 
-NONFINITE_CASES = ([(torch.float32, T, D) for T, D in ((70, 32), (300, 128), (90, 20), (4300, 64))]
-                   + [(dt, T, D) for dt in (torch.float16, torch.bfloat16) for T, D in ((70, 32), (300, 128), (4300, 64))])
+# (B, Hq, Hkv): (1, 4, 2) by default; (24, 3, 1) gives short sequences a grid large enough for the
+# row-wise kernel's four-rows-per-warp CTAs, whose warps then hold rows of two time steps.
+NONFINITE_CASES = ([(torch.float32, T, D, (1, 4, 2)) for T, D in ((70, 32), (300, 128), (90, 20), (4300, 64))]
+                   + [(dt, T, D, (1, 4, 2)) for dt in (torch.float16, torch.bfloat16)
+                      for T, D in ((70, 32), (300, 128), (4300, 64))]
+                   + [(dt, 100, 32, (24, 3, 1)) for dt in (torch.float32, torch.bfloat16)])
 
 
 @needs_gpu
-@pytest.mark.parametrize("dtype,T,D", NONFINITE_CASES)
-def test_gpu_nan_and_inf_propagate_like_reference(dtype, T, D):
+@pytest.mark.parametrize("dtype,T,D,heads", NONFINITE_CASES)
+def test_gpu_nan_and_inf_propagate_like_reference(dtype, T, D, heads):
     """A non-finite value reaches exactly the rows that attend to it, as in reference.Model, in
     every dtype; the finite values keep the dtype's tolerance (fp32 1e-4, half 1e-2)."""
-    q, k, v = make_qkv(1, T, 4, 2, D, device="cuda", dtype=dtype)
+    B, Hq, Hkv = heads
+    q, k, v = make_qkv(B, T, Hq, Hkv, D, device="cuda", dtype=dtype)
     q[0, 10, 1, 3] = float("nan")
     k[0, 30, 0, 1] = float("nan")
-    v[0, 20, 1, 0] = float("nan")
-    v[0, 45, 1, 2] = float("inf")
+    v[0, 20, Hkv - 1, 0] = float("nan")
+    v[0, 21, 0, 1] = float("inf")
+    v[0, 45, Hkv - 1, 2] = float("inf")
     v[0, T - 1, 0, 0] = float("-inf")
     out = call_poisoned(q, k, v)
     exact = reference.causal_gqa_reference(q, k, v)
@@ -468,7 +474,8 @@ def check_half(out, q, k, v, what=""):
                                           (1, 127, 6, 3, 200), (3, 80, 7, 1, 40), (2, 300, 8, 2, 64),
                                           (1, 257, 6, 3, 200), (1, 150, 4, 2, 20), (2, 333, 4, 4, 40),
                                           (1, 4097, 8, 2, 128), (2, 1000, 7, 1, 256), (1, 200, 2, 1, 32),
-                                          (1, 300, 4, 2, 36), (2, 200, 4, 2, 120)])
+                                          (1, 300, 4, 2, 36), (2, 200, 4, 2, 120), (1, 300, 4, 2, 45),
+                                          (40, 64, 7, 1, 45), (24, 100, 3, 1, 32)])
 def test_gpu_half_precision(dtype, B, T, Hq, Hkv, D):
     q, k, v = make_qkv(B, T, Hq, Hkv, D, device="cuda", dtype=dtype)
     check_half(call_poisoned(q, k, v), q, k, v)

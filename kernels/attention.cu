@@ -298,60 +298,53 @@ template <int N> __device__ __forceinline__ void fence_regs(float (&r)[N]) {
 }
 // Makes this thread's ordinary shared-memory writes (cp.async included) visible to wgmma's reads.
 [[maybe_unused]] __device__ __forceinline__ void fence_async_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Each wgmma wrapper below is one asm statement; the input type (bf16 or f16) is spliced into
+// the instruction name, so both types share one operand list.
+#define GQA_ASM_WGMMA_SS_N64(TY) \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n" \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
+                     : "l"(da), "l"(db), "r"(accumulate))
 template <bool kBf16>
 __device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], uint64_t da, uint64_t db, int accumulate) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if constexpr (kBf16) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                     : "l"(da), "l"(db), "r"(accumulate));
-    } else {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                     : "l"(da), "l"(db), "r"(accumulate));
-    }
+    if constexpr (kBf16) GQA_ASM_WGMMA_SS_N64("bf16");
+    else GQA_ASM_WGMMA_SS_N64("f16");
 #else
     __trap();
 #endif
 }
+#undef GQA_ASM_WGMMA_SS_N64
+#define GQA_ASM_WGMMA_RS_TB_N64(TY) \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n" \
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n" \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate))
 template <bool kBf16>
 __device__ __forceinline__ void wgmma_rs_tb_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int accumulate) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if constexpr (kBf16) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
-    } else {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
-    }
+    if constexpr (kBf16) GQA_ASM_WGMMA_RS_TB_N64("bf16");
+    else GQA_ASM_WGMMA_RS_TB_N64("f16");
 #else
     __trap();
 #endif
 }
+#undef GQA_ASM_WGMMA_RS_TB_N64
+#define GQA_ASM_WGMMA_RS_TB_N128(TY) \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n" \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate))
 template <bool kBf16>
 __device__ __forceinline__ void wgmma_rs_tb_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t db, int accumulate) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    if constexpr (kBf16) {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
-    } else {
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-                     "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
-    }
+    if constexpr (kBf16) GQA_ASM_WGMMA_RS_TB_N128("bf16");
+    else GQA_ASM_WGMMA_RS_TB_N128("f16");
 #else
     __trap();
 #endif
 }
+#undef GQA_ASM_WGMMA_RS_TB_N128
 
 // S (the warpgroup's 64 rows x 64 keys; each warp holds its 16 rows as s[8][4]) = Q K^T. Q is a
 // swizzled tile of QR rows whose warpgroup rows start at `q_row0`, K a swizzled tile of KR rows.
@@ -1256,18 +1249,21 @@ gqa_fwd_kernel(const GqaParams p, const TileDivs dv) {
 // Row-wise kernel for short sequences (and tiny head dims): plain fp32 FMA, no tensor cores.
 // There the tiled kernel is bound by latency, not arithmetic: its splits, barriers and merges
 // cost more than the few products a short row needs, so what counts is the number of dependent
-// instructions on the longest warp. One warp owns one query row. The CTA loads the keys its rows
-// need into shared memory in one phase (in chunks of kc keys when they do not fit), every load in
-// flight at once. Each warp then works a chunk in three passes:
-//   1. scores, one key per lane, two keys at a time (two independent dot products per lane);
-//   2. one max for the chunk, then exponentials, kept in the warp's row of sP;
-//   3. P V with each lane owning a float4 of head-dim columns and every ks-th key, so t keys are
-//      a chain of t / ks steps (ks = 4 at head_dim 32), summed across lanes at the end.
-// Index arithmetic divides by divisors prepared on the host (FastDiv): the integer divisions they
-// replace were a tenth of the kernel's time at the harness shape. Only attended keys are visited,
-// so Inf and NaN follow the reference with no special path.
-constexpr int kRowWarps = 8;                  // warps per CTA, one query row each
-constexpr int kRowsPerCta = kRowWarps;
+// instructions on the longest warp. One warp owns RW consecutive packed (time step, head) rows,
+// which share every key: at G = RW they are the G heads of one time step, so each key row read
+// from shared memory feeds RW dot products. The CTA loads the keys its rows need into shared
+// memory in one phase (in chunks of kc keys when they do not fit), every load in flight at once.
+// Each warp then works a chunk in passes of up to 128 keys:
+//   1. scores, lane j taking keys j, j + 32, j + 64, j + 96 of the pass for all RW rows, kept in
+//      registers; one max per row, then exponentials, stored as RW-wide vectors per key;
+//   2. P V with each lane owning a float4 of head-dim columns and every ks-th key (ks = 4 at
+//      head_dim 32), RW rows at a time; keys that only some rows attend take a guarded tail
+//      loop, so a row never multiplies a value row it does not attend (Inf and NaN follow the
+//      reference); the lanes that share columns are summed at the end.
+// Index arithmetic divides by divisors prepared on the host (FastDiv).
+// Two shapes of CTA (warps NW x rows per warp RW), picked by the size of the grid: see
+// launch_rowwise_best.
+constexpr int kRowKeysPerPass = 128;          // keys scored per pass: four per lane
 constexpr int kRowSmemBudget = 96 * 1024;     // bytes of shared memory per CTA, at most
 
 struct RowwiseDivs {
@@ -1279,11 +1275,14 @@ struct RowwiseDivs {
 
 // Shared-memory layout, in floats. D4 is D rounded up to 4 (rows are read as float4; columns
 // D..D4-1 hold zeros). The q/K pitch is 4 (mod 8), so each 8-lane phase of a float4 read of 8
-// different keys covers all 32 banks once. Each warp has kc floats of scores/probabilities.
+// different keys covers all 32 banks once.
 __host__ __device__ constexpr int rowwise_d4(int D) { return (D + 3) & ~3; }
 __host__ __device__ constexpr int rowwise_k_pitch(int D) { return ((D + 7) & ~7) + 4; }
-__host__ __device__ constexpr int rowwise_fixed_floats(int D) { return kRowsPerCta * rowwise_k_pitch(D); }
-__host__ __device__ constexpr int rowwise_key_floats(int D) { return rowwise_k_pitch(D) + rowwise_d4(D) + kRowWarps; }
+// Fixed part: the CTA's q rows and each warp's probabilities for one pass; then per key: K and V.
+__host__ __device__ constexpr int rowwise_fixed_floats(int D, int nw, int rw) {
+    return nw * rw * rowwise_k_pitch(D) + nw * kRowKeysPerPass * rw;
+}
+__host__ __device__ constexpr int rowwise_key_floats(int D) { return rowwise_k_pitch(D) + rowwise_d4(D); }
 
 // Programmatic dependent launch (sm_90+): a kernel launched with it may start while the previous
 // kernel on the stream finishes; it must not touch global memory before grid_dependency_wait().
@@ -1359,27 +1358,31 @@ __device__ __forceinline__ void rowwise_load(float* dst, int ld, RowPtr row_ptr,
     }
 }
 
-// N dot products of the shared-memory q row with N key rows (float4 pitch), two partial sums
-// each so every product has an independent neighbour.
-template <int N>
-__device__ __forceinline__ void rowwise_dots(const float4* q4, const float4* const (&k4)[N], int n4, float (&s)[N]) {
-    float a[N], b[N];
+// RW dot products of q rows with each of N key rows (float4 pitch): s[n][r] = q_r . k_n.
+template <int N, int RW>
+__device__ __forceinline__ void rowwise_dots(const float4* const (&q4)[RW], const float4* const (&k4)[N], int n4,
+                                             float (&s)[N][RW]) {
 #pragma unroll
-    for (int n = 0; n < N; ++n) a[n] = b[n] = 0.f;
-#pragma unroll 4
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+        for (int r = 0; r < RW; ++r) s[n][r] = 0.f;
+#pragma unroll 2
     for (int c = 0; c < n4; ++c) {
-        const float4 x = q4[c];
+        float4 x[RW], y[N];
 #pragma unroll
-        for (int n = 0; n < N; ++n) {
-            const float4 y = k4[n][c];
-            a[n] = fmaf(x.x, y.x, a[n]);
-            b[n] = fmaf(x.y, y.y, b[n]);
-            a[n] = fmaf(x.z, y.z, a[n]);
-            b[n] = fmaf(x.w, y.w, b[n]);
-        }
+        for (int r = 0; r < RW; ++r) x[r] = q4[r][c];
+#pragma unroll
+        for (int n = 0; n < N; ++n) y[n] = k4[n][c];
+#pragma unroll
+        for (int n = 0; n < N; ++n)
+#pragma unroll
+            for (int r = 0; r < RW; ++r) {
+                s[n][r] = fmaf(x[r].x, y[n].x, s[n][r]);
+                s[n][r] = fmaf(x[r].y, y[n].y, s[n][r]);
+                s[n][r] = fmaf(x[r].z, y[n].z, s[n][r]);
+                s[n][r] = fmaf(x[r].w, y[n].w, s[n][r]);
+            }
     }
-#pragma unroll
-    for (int n = 0; n < N; ++n) s[n] = a[n] + b[n];
 }
 
 __device__ __forceinline__ void fma4(float4& acc, float s, const float4& v) {
@@ -1396,27 +1399,76 @@ __device__ __forceinline__ void scale4(float4& acc, float s) {
     acc.w *= s;
 }
 
+// RW consecutive floats of shared memory, one vector load (the buffer is 4 * RW-byte aligned).
+template <int RW>
+__device__ __forceinline__ void load_rw(const float* src, float (&x)[RW]) {
+    if constexpr (RW == 4) {
+        const float4 v = *reinterpret_cast<const float4*>(src);
+        x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+    } else if constexpr (RW == 2) {
+        const float2 v = *reinterpret_cast<const float2*>(src);
+        x[0] = v.x, x[1] = v.y;
+    } else {
+#pragma unroll
+        for (int r = 0; r < RW; ++r) x[r] = src[r];
+    }
+}
+template <int RW>
+__device__ __forceinline__ void store_rw(float* dst, const float (&x)[RW]) {
+    if constexpr (RW == 4) {
+        *reinterpret_cast<float4*>(dst) = make_float4(x[0], x[1], x[2], x[3]);
+    } else if constexpr (RW == 2) {
+        *reinterpret_cast<float2*>(dst) = make_float2(x[0], x[1]);
+    } else {
+#pragma unroll
+        for (int r = 0; r < RW; ++r) dst[r] = x[r];
+    }
+}
+
+// Four output columns c..c+3 of one row, scaled by inv; `vec` when D is a multiple of 4 (the
+// output is contiguous, so every row starts 4-element aligned).
 template <typename Elem>
-__global__ void __launch_bounds__(32 * kRowWarps, 1)
+__device__ __forceinline__ void rowwise_store4(Elem* dst, int c, int D, const float4& x, float inv, bool vec, bool bf16) {
+    const float y0 = x.x * inv, y1 = x.y * inv, y2 = x.z * inv, y3 = x.w * inv;
+    if constexpr (std::is_same<Elem, float>::value) {
+        if (vec) {
+            *reinterpret_cast<float4*>(dst + c) = make_float4(y0, y1, y2, y3);
+            return;
+        }
+    } else {
+        if (vec) {
+            store_pair(dst + c, y0, y1, bf16);
+            store_pair(dst + c + 2, y2, y3, bf16);
+            return;
+        }
+    }
+    if (c < D) dst[c] = from_float<Elem>(y0, bf16);
+    if (c + 1 < D) dst[c + 1] = from_float<Elem>(y1, bf16);
+    if (c + 2 < D) dst[c + 2] = from_float<Elem>(y2, bf16);
+    if (c + 3 < D) dst[c + 3] = from_float<Elem>(y3, bf16);
+}
+
+template <typename Elem, int NW, int RW>
+__global__ void __launch_bounds__(32 * NW)
 gqa_rowwise_kernel(const GqaParams p, int kc, const RowwiseDivs dv) {
-    constexpr int NT = 32 * kRowWarps;
+    constexpr int NT = 32 * NW, kRows = NW * RW;
     extern __shared__ float4 smem_raw[];
     const int D = p.D, G = p.group, T = p.T;
     const int D4 = rowwise_d4(D), kld = rowwise_k_pitch(D);
-    float* sQ = reinterpret_cast<float*>(smem_raw);   // [kRowsPerCta][kld]
-    float* sK = sQ + kRowsPerCta * kld;               // [kc][kld]
+    float* sQ = reinterpret_cast<float*>(smem_raw);   // [kRows][kld]
+    float* sK = sQ + kRows * kld;                     // [kc][kld]
     float* sV = sK + kc * kld;                        // [kc][D4]
-    float* sP = sV + kc * D4;                         // [kRowWarps][kc]: each warp's scores, then probabilities
+    float* sP = sV + kc * D4;                         // [NW][kKeysPerPass][RW]: each warp's probabilities
 
     const bool bf16 = p.dtype == kGqaBFloat16;
     const int rows_total = T * G;
-    const int n_qtiles = (rows_total + kRowsPerCta - 1) / kRowsPerCta;
+    const int n_qtiles = (rows_total + kRows - 1) / kRows;
     const int tile = dv.bh.div(int(blockIdx.x));
     const int bh = int(blockIdx.x) - tile * dv.bh.d;
     const int qtile = n_qtiles - 1 - tile;   // longest rows first
     const int b = dv.hkv.div(bh), kvh = bh - b * p.Hkv;
-    const int r0 = qtile * kRowsPerCta;
-    const int t_hi = min(dv.group.div(r0 + kRowsPerCta - 1), T - 1);
+    const int r0 = qtile * kRows;
+    const int t_hi = min(dv.group.div(r0 + kRows - 1), T - 1);
 
     const Elem* q_base = static_cast<const Elem*>(p.q) + b * p.q_stride_b + int64_t(kvh) * G * p.q_stride_h;
     const Elem* k_base = static_cast<const Elem*>(p.k) + b * p.k_stride_b + kvh * p.k_stride_h;
@@ -1429,13 +1481,22 @@ gqa_rowwise_kernel(const GqaParams p, int kc, const RowwiseDivs dv) {
     };
     grid_dependency_wait();   // q, k and v may come from the kernel before this one
     allow_dependent_launch();
-    rowwise_load<Elem, NT>(sQ, kld, q_row, kRowsPerCta, D, p.vec16, bf16, q_base, dv.width);   // waited on with chunk 0
+    rowwise_load<Elem, NT>(sQ, kld, q_row, kRows, D, p.vec16, bf16, q_base, dv.width);   // waited on with chunk 0
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int R = r0 + warp;
-    const int t = R < rows_total ? dv.group.div(R) : -1;   // -1: a padding row, attends to nothing
-    const float4* q4 = reinterpret_cast<const float4*>(sQ + warp * kld);
-    float* pw = sP + warp * kc;
+    const int Rw = r0 + warp * RW;   // the warp's first packed row
+    int tr[RW];                      // each row's time step; -1: a padding row, attends to nothing
+    const float4* q4[RW];
+#pragma unroll
+    for (int r = 0; r < RW; ++r) {
+        tr[r] = Rw + r < rows_total ? dv.group.div(Rw + r) : -1;
+        q4[r] = reinterpret_cast<const float4*>(sQ + (warp * RW + r) * kld);
+    }
+    // Rows are in time order and padding rows come last: the first row attends the fewest keys.
+    int t_top = tr[0];
+#pragma unroll
+    for (int r = 1; r < RW; ++r) t_top = max(t_top, tr[r]);
+    float* pw = sP + warp * (kRowKeysPerPass * RW);
 
     // P V layout: lane = kq * cgp + cg. The lane owns columns 4cg..4cg+3 (and 128 further on when
     // D4 > 128) and keys j = kq (mod ks); cgp is the column-group count rounded up to a power of two.
@@ -1444,8 +1505,14 @@ gqa_rowwise_kernel(const GqaParams p, int kc, const RowwiseDivs dv) {
     const int cgp = 1 << lg;
     const int ks = 32 >> lg, kq = lane >> lg, cg = lane & (cgp - 1);
     const bool has0 = cg < n4, has1 = cg + 32 < n4;
-    float4 acc0 = make_float4(0.f, 0.f, 0.f, 0.f), acc1 = acc0;
-    float m = -INFINITY, l = 0.f;   // running max (log2 units, warp-uniform); this lane's share of the sum
+    float4 acc0[RW], acc1[RW];
+    float m[RW], l[RW];   // running max (log2 units, warp-uniform); this lane's share of the sum
+#pragma unroll
+    for (int r = 0; r < RW; ++r) {
+        acc0[r] = acc1[r] = make_float4(0.f, 0.f, 0.f, 0.f);
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+    }
 
     for (int c0 = 0; c0 <= t_hi; c0 += kc) {
         const int nk = min(kc, t_hi + 1 - c0);
@@ -1458,89 +1525,123 @@ gqa_rowwise_kernel(const GqaParams p, int kc, const RowwiseDivs dv) {
         cp_async_wait<0>();
         __syncthreads();
 
-        const int n_here = min(nk, t + 1 - c0);   // keys of this chunk the row attends to
-        // 1. Scores of the attended keys, lane j taking keys j, j + 32, ...
-        float mx = -INFINITY;
-        for (int kb = 0; kb < n_here; kb += 64) {
-            const int ja = kb + lane, jb = ja + 32;
-            if (kb + 32 < n_here) {
-                const float4* const k4[2] = {reinterpret_cast<const float4*>(sK + ja * kld),
-                                             reinterpret_cast<const float4*>(sK + min(jb, n_here - 1) * kld)};
-                float s[2];
-                rowwise_dots<2>(q4, k4, n4, s);
-                s[0] *= p.scale_log2;
-                s[1] *= p.scale_log2;
-                pw[ja] = s[0];
-                mx = fmaxf(mx, s[0]);
-                if (jb < n_here) {
-                    pw[jb] = s[1];
-                    mx = fmaxf(mx, s[1]);
-                }
-            } else {
-                const float4* const k4[1] = {reinterpret_cast<const float4*>(sK + min(ja, n_here - 1) * kld)};
-                float s[1];
-                rowwise_dots<1>(q4, k4, n4, s);
-                s[0] *= p.scale_log2;
-                if (ja < n_here) {
-                    pw[ja] = s[0];
-                    mx = fmaxf(mx, s[0]);
-                }
-            }
-        }
-        // 2. One max for the chunk; earlier sums are rescaled to it; scores become probabilities.
+        const int n_hi = min(nk, t_top + 1 - c0);     // keys of this chunk some row attends
+        const int n_lo = max(min(nk, tr[0] + 1 - c0), 0);   // ... and every row attends
+        for (int kb = 0; kb < n_hi; kb += kRowKeysPerPass) {
+            const int nb = min(n_hi - kb, kRowKeysPerPass), nb_lo = min(max(n_lo - kb, 0), nb);
+            // 1. Scores of this pass's keys for every row, one max per row, probabilities.
+            auto softmax_pass = [&](auto n_const) {
+                constexpr int N = decltype(n_const)::value;
+                const float4* k4[N];
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        const float m_new = fmaxf(m, mx);
-        const float m_ref = m_new == -INFINITY ? 0.f : m_new;   // nothing attended yet
-        const float alpha = fast_exp2(m - m_ref);
-        m = m_new;
-        l *= alpha;
-        scale4(acc0, alpha);
-        scale4(acc1, alpha);
-        for (int j = lane; j < n_here; j += 32) {   // each lane rewrites only its own scores
-            const float pr = fast_exp2(pw[j] - m_ref);
-            pw[j] = pr;
-            l += pr;
-        }
-        __syncwarp();
-        // 3. P V: this lane's keys into this lane's columns.
-        const float* vc = sV + 4 * cg;
-        if (n4 <= 32) {
-#pragma unroll 4
-            for (int j = kq; j < n_here && has0; j += ks)
-                fma4(acc0, pw[j], *reinterpret_cast<const float4*>(vc + j * D4));
-        } else {   // D4 > 128: every lane has a first column group, some a second; ks = 1
-#pragma unroll 4
-            for (int j = 0; j < n_here; ++j) {
-                const float pj = pw[j];
-                fma4(acc0, pj, *reinterpret_cast<const float4*>(vc + j * D4));
-                if (has1) fma4(acc1, pj, *reinterpret_cast<const float4*>(vc + j * D4 + 128));
+                for (int n = 0; n < N; ++n) k4[n] = reinterpret_cast<const float4*>(sK + (kb + min(lane + 32 * n, nb - 1)) * kld);
+                float s[N][RW], mx[RW];
+                rowwise_dots<N, RW>(q4, k4, n4, s);
+#pragma unroll
+                for (int r = 0; r < RW; ++r) {
+                    mx[r] = -INFINITY;
+#pragma unroll
+                    for (int n = 0; n < N; ++n) {
+                        const int j = c0 + kb + lane + 32 * n;   // absolute key index
+                        s[n][r] = j <= tr[r] ? s[n][r] * p.scale_log2 : -INFINITY;
+                        mx[r] = fmaxf(mx[r], s[n][r]);
+                    }
+                }
+#pragma unroll
+                for (int r = 0; r < RW; ++r) {
+#pragma unroll
+                    for (int o = 16; o > 0; o >>= 1) mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], o));
+                    const float m_new = fmaxf(m[r], mx[r]);
+                    const float m_ref = m_new == -INFINITY ? 0.f : m_new;   // nothing attended yet
+                    const float alpha = fast_exp2(m[r] - m_ref);
+                    m[r] = m_new;
+                    l[r] *= alpha;
+                    scale4(acc0[r], alpha);
+                    scale4(acc1[r], alpha);
+#pragma unroll
+                    for (int n = 0; n < N; ++n) {
+                        s[n][r] = fast_exp2(s[n][r] - m_ref);
+                        l[r] += s[n][r];
+                    }
+                }
+#pragma unroll
+                for (int n = 0; n < N; ++n)
+                    if (lane + 32 * n < nb) store_rw<RW>(pw + (lane + 32 * n) * RW, s[n]);
+            };
+            if (nb > 96) softmax_pass(std::integral_constant<int, 4>());
+            else if (nb > 64) softmax_pass(std::integral_constant<int, 3>());
+            else if (nb > 32) softmax_pass(std::integral_constant<int, 2>());
+            else softmax_pass(std::integral_constant<int, 1>());
+            __syncwarp();
+            // 2. P V: this lane's keys into this lane's columns, every row at once for the keys
+            // every row attends, then row by row for the rest.
+            const float* vc = sV + kb * D4 + 4 * cg;
+            auto attends = [&](int j, int r) { return c0 + kb + j <= tr[r]; };
+            if (n4 <= 32) {
+                if (has0) {
+                    int j = kq;
+#pragma unroll 2
+                    for (; j < nb_lo; j += ks) {
+                        float pr[RW];
+                        load_rw<RW>(pw + j * RW, pr);
+                        const float4 v = *reinterpret_cast<const float4*>(vc + j * D4);
+#pragma unroll
+                        for (int r = 0; r < RW; ++r) fma4(acc0[r], pr[r], v);
+                    }
+                    for (; j < nb; j += ks) {
+                        float pr[RW];
+                        load_rw<RW>(pw + j * RW, pr);
+                        const float4 v = *reinterpret_cast<const float4*>(vc + j * D4);
+#pragma unroll
+                        for (int r = 0; r < RW; ++r)
+                            if (attends(j, r)) fma4(acc0[r], pr[r], v);
+                    }
+                }
+            } else {   // D4 > 128: every lane has a first column group, some a second; ks = 1
+                for (int j = 0; j < nb; ++j) {
+                    float pr[RW];
+                    load_rw<RW>(pw + j * RW, pr);
+                    const float4 v0 = *reinterpret_cast<const float4*>(vc + j * D4);
+                    const float4 v1 = has1 ? *reinterpret_cast<const float4*>(vc + j * D4 + 128) : v0;
+                    const bool all = j < nb_lo;
+#pragma unroll
+                    for (int r = 0; r < RW; ++r) {
+                        if (all || attends(j, r)) {
+                            fma4(acc0[r], pr[r], v0);
+                            fma4(acc1[r], pr[r], v1);
+                        }
+                    }
+                }
             }
+            __syncwarp();   // pw is rewritten by the next pass
         }
-        __syncwarp();   // pw is rewritten by the next chunk
     }
 
     // Lanes that share columns hold sums over disjoint keys.
-    for (int o = cgp; o < 32; o <<= 1) {
-        acc0.x += __shfl_xor_sync(0xffffffffu, acc0.x, o);
-        acc0.y += __shfl_xor_sync(0xffffffffu, acc0.y, o);
-        acc0.z += __shfl_xor_sync(0xffffffffu, acc0.z, o);
-        acc0.w += __shfl_xor_sync(0xffffffffu, acc0.w, o);
-    }
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
-    if (t < 0 || kq != 0 || !has0) return;
-    const float inv = 1.f / l;
-    Elem* dst = static_cast<Elem*>(p.o) + b * p.o_stride_b + int64_t(t) * p.o_stride_t +
-                int64_t(kvh * G + (R - t * G)) * p.o_stride_h;
-    auto store4 = [&](int c, const float4& x) {
-        if (c < D) dst[c] = from_float<Elem>(x.x * inv, bf16);
-        if (c + 1 < D) dst[c + 1] = from_float<Elem>(x.y * inv, bf16);
-        if (c + 2 < D) dst[c + 2] = from_float<Elem>(x.z * inv, bf16);
-        if (c + 3 < D) dst[c + 3] = from_float<Elem>(x.w * inv, bf16);
-    };
-    store4(4 * cg, acc0);
-    if (has1) store4(4 * cg + 128, acc1);
+    for (int r = 0; r < RW; ++r) {
+        for (int o = cgp; o < 32; o <<= 1) {
+            acc0[r].x += __shfl_xor_sync(0xffffffffu, acc0[r].x, o);
+            acc0[r].y += __shfl_xor_sync(0xffffffffu, acc0[r].y, o);
+            acc0[r].z += __shfl_xor_sync(0xffffffffu, acc0[r].z, o);
+            acc0[r].w += __shfl_xor_sync(0xffffffffu, acc0[r].w, o);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) l[r] += __shfl_xor_sync(0xffffffffu, l[r], o);
+    }
+    if (!has0) return;
+    const bool vec = (D & 3) == 0;
+#pragma unroll
+    for (int r = 0; r < RW; ++r) {
+        // Row r is stored by the lanes whose key slice is r (mod ks): RW / ks rows per lane at most.
+        if (tr[r] < 0 || (r & (ks - 1)) != kq) continue;
+        const int t = tr[r], R = Rw + r;
+        const float inv = 1.f / l[r];
+        Elem* dst = static_cast<Elem*>(p.o) + b * p.o_stride_b + int64_t(t) * p.o_stride_t +
+                    int64_t(kvh * G + (R - t * G)) * p.o_stride_h;
+        rowwise_store4(dst, 4 * cg, D, acc0[r], inv, vec, bf16);
+        if (has1) rowwise_store4(dst, 4 * cg + 128, D, acc1[r], inv, vec, bf16);
+    }
 }
 
 __global__ void gqa_empty_kernel() {}
@@ -1636,18 +1737,19 @@ int cc_major(int dev) {
     return major[dev];
 }
 
-template <typename Elem>
+template <typename Elem, int NW, int RW>
 cudaError_t launch_rowwise(const GqaParams& p, cudaStream_t stream, int dev) {
     static bool raised[kMaxDevices] = {};
-    const int fixed = rowwise_fixed_floats(p.D), per_key = rowwise_key_floats(p.D);
+    const int fixed = rowwise_fixed_floats(p.D, NW, RW), per_key = rowwise_key_floats(p.D);
     // Keys per chunk: the whole sequence when it fits the budget, else the most whole warps of keys that do.
     const int cap = (kRowSmemBudget / int(sizeof(float)) - fixed) / per_key / 32 * 32;
     const int kc = std::min((p.T + 31) / 32 * 32, cap);
+    if (kc < 32) return cudaErrorInvalidConfiguration;   // not one warp of keys fits
     const size_t smem = sizeof(float) * (size_t(fixed) + size_t(kc) * per_key);
-    auto kernel = gqa_rowwise_kernel<Elem>;
+    auto kernel = gqa_rowwise_kernel<Elem, NW, RW>;
     cudaError_t err = raise_smem_limit(kernel, kRowSmemBudget, dev, raised);
     if (err != cudaSuccess) return err;
-    const int64_t blocks = (int64_t(p.T) * p.group + kRowsPerCta - 1) / kRowsPerCta * p.B * p.Hkv;
+    const int64_t blocks = (int64_t(p.T) * p.group + NW * RW - 1) / (NW * RW) * p.B * p.Hkv;
     if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
     // On sm_90+ the launch overlaps the tail of the previous kernel (the kernel waits for it
     // before its first global read).
@@ -1661,12 +1763,23 @@ cudaError_t launch_rowwise(const GqaParams& p, cudaStream_t stream, int dev) {
     dv.width = FastDiv(std::is_same<Elem, float>::value && p.vec16 ? p.D / 4 : rowwise_d4(p.D));
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(unsigned(blocks));
-    cfg.blockDim = dim3(32 * kRowWarps);
+    cfg.blockDim = dim3(32 * NW);
     cfg.dynamicSmemBytes = smem;
     cfg.stream = stream;
     cfg.attrs = overlap;
     cfg.numAttrs = cc_major(dev) >= 9 ? 1 : 0;
     return cudaLaunchKernelEx(&cfg, kernel, p, kc, dv);
+}
+
+// Small grids are latency-bound: one row per warp, 8 warps per CTA, gives the most warps and the
+// shortest chain per warp. Once that grid passes two CTAs per SM the work is throughput-bound:
+// four rows per warp share every key read (a third of the instructions per row), 4 warps per CTA.
+// Measured (NOTES v20): (2, 80, 8, 2, 32) 4.00 against 4.58 us, (4, 128, 32, 8, 64) 26.8 against 38.0.
+template <typename Elem>
+cudaError_t launch_rowwise_best(const GqaParams& p, cudaStream_t stream, int dev) {
+    const int64_t narrow_ctas = (int64_t(p.T) * p.group + 7) / 8 * p.B * p.Hkv;
+    if (narrow_ctas <= 2 * int64_t(sm_count(dev))) return launch_rowwise<Elem, 8, 1>(p, stream, dev);
+    return launch_rowwise<Elem, 4, 4>(p, stream, dev);
 }
 
 template <int kDtype, int DP, int KW, bool kWg = false>
@@ -1752,7 +1865,7 @@ cudaError_t dispatch(const GqaParams& p, cudaStream_t stream) {
     int dev = 0;
     const cudaError_t err = cudaGetDevice(&dev);
     if (err != cudaSuccess) return err;
-    if (p.T <= kRowwiseMaxT || p.D <= kRowwiseMaxD) return launch_rowwise<ElemOf<kDtype>>(p, stream, dev);
+    if (p.T <= kRowwiseMaxT || p.D <= kRowwiseMaxD) return launch_rowwise_best<ElemOf<kDtype>>(p, stream, dev);
     if constexpr (kHaveWgmma && kDtype == kGqaFloat32) {
         if (p.workspace != nullptr && use_x3(p, dev)) {
             return x3_width(p) == 64 ? launch_x3<64>(p, stream, dev) : launch_x3<128>(p, stream, dev);
