@@ -368,11 +368,11 @@ NONFINITE_CASES = ([(torch.float32, T, D, (1, 4, 2)) for T, D in ((70, 32), (300
 
 
 @needs_gpu
-@pytest.mark.parametrize("dtype,T,D,heads", NONFINITE_CASES)
-def test_gpu_nan_and_inf_propagate_like_reference(dtype, T, D, heads):
+@pytest.mark.parametrize("dtype,T,D,b_hq_hkv", NONFINITE_CASES)
+def test_gpu_nan_and_inf_propagate_like_reference(dtype, T, D, b_hq_hkv):
     """A non-finite value reaches exactly the rows that attend to it, as in reference.Model, in
     every dtype; the finite values keep the dtype's tolerance (fp32 1e-4, half 1e-2)."""
-    B, Hq, Hkv = heads
+    B, Hq, Hkv = b_hq_hkv
     q, k, v = make_qkv(B, T, Hq, Hkv, D, device="cuda", dtype=dtype)
     q[0, 10, 1, 3] = float("nan")
     k[0, 30, 0, 1] = float("nan")

@@ -1358,30 +1358,40 @@ __device__ __forceinline__ void rowwise_load(float* dst, int ld, RowPtr row_ptr,
     }
 }
 
-// RW dot products of q rows with each of N key rows (float4 pitch): s[n][r] = q_r . k_n.
+// RW dot products of q rows with each of N key rows (float4 pitch): s[n][r] = q_r . k_n. The
+// columns go in blocks of kCB float4s whose shared-memory reads are all issued before the block's
+// multiply-adds: a warp's chain here is latency-bound, and each block then costs one round trip.
 template <int N, int RW>
 __device__ __forceinline__ void rowwise_dots(const float4* const (&q4)[RW], const float4* const (&k4)[N], int n4,
                                              float (&s)[N][RW]) {
+    constexpr int kCB = N * RW <= 4 ? 4 : 2;
 #pragma unroll
     for (int n = 0; n < N; ++n)
 #pragma unroll
         for (int r = 0; r < RW; ++r) s[n][r] = 0.f;
-#pragma unroll 2
-    for (int c = 0; c < n4; ++c) {
-        float4 x[RW], y[N];
+    for (int c0 = 0; c0 < n4; c0 += kCB) {
+        float4 x[kCB][RW], y[kCB][N];
 #pragma unroll
-        for (int r = 0; r < RW; ++r) x[r] = q4[r][c];
+        for (int i = 0; i < kCB; ++i) {
+            const int c = min(c0 + i, n4 - 1);   // past the row: read again, not used
 #pragma unroll
-        for (int n = 0; n < N; ++n) y[n] = k4[n][c];
+            for (int r = 0; r < RW; ++r) x[i][r] = q4[r][c];
 #pragma unroll
-        for (int n = 0; n < N; ++n)
+            for (int n = 0; n < N; ++n) y[i][n] = k4[n][c];
+        }
 #pragma unroll
-            for (int r = 0; r < RW; ++r) {
-                s[n][r] = fmaf(x[r].x, y[n].x, s[n][r]);
-                s[n][r] = fmaf(x[r].y, y[n].y, s[n][r]);
-                s[n][r] = fmaf(x[r].z, y[n].z, s[n][r]);
-                s[n][r] = fmaf(x[r].w, y[n].w, s[n][r]);
-            }
+        for (int i = 0; i < kCB; ++i) {
+            if (c0 + i >= n4) break;
+#pragma unroll
+            for (int n = 0; n < N; ++n)
+#pragma unroll
+                for (int r = 0; r < RW; ++r) {
+                    s[n][r] = fmaf(x[i][r].x, y[i][n].x, s[n][r]);
+                    s[n][r] = fmaf(x[i][r].y, y[i][n].y, s[n][r]);
+                    s[n][r] = fmaf(x[i][r].z, y[i][n].z, s[n][r]);
+                    s[n][r] = fmaf(x[i][r].w, y[i][n].w, s[n][r]);
+                }
+        }
     }
 }
 
@@ -1557,7 +1567,7 @@ gqa_rowwise_kernel(const GqaParams p, int kc, const RowwiseDivs dv) {
                     m[r] = m_new;
                     l[r] *= alpha;
                     scale4(acc0[r], alpha);
-                    scale4(acc1[r], alpha);
+                    if (n4 > 32) scale4(acc1[r], alpha);   // a second column group only past head_dim 128
 #pragma unroll
                     for (int n = 0; n < N; ++n) {
                         s[n][r] = fast_exp2(s[n][r] - m_ref);
@@ -1579,8 +1589,22 @@ gqa_rowwise_kernel(const GqaParams p, int kc, const RowwiseDivs dv) {
             auto attends = [&](int j, int r) { return c0 + kb + j <= tr[r]; };
             if (n4 <= 32) {
                 if (has0) {
+                    // Keys in blocks of kKB, all of a block's reads first (one round trip each).
+                    constexpr int kKB = RW <= 2 ? 8 : 4;
                     int j = kq;
-#pragma unroll 2
+                    for (; j + (kKB - 1) * ks < nb_lo; j += kKB * ks) {
+                        float pr[kKB][RW];
+                        float4 v[kKB];
+#pragma unroll
+                        for (int u = 0; u < kKB; ++u) {
+                            load_rw<RW>(pw + (j + u * ks) * RW, pr[u]);
+                            v[u] = *reinterpret_cast<const float4*>(vc + (j + u * ks) * D4);
+                        }
+#pragma unroll
+                        for (int u = 0; u < kKB; ++u)
+#pragma unroll
+                            for (int r = 0; r < RW; ++r) fma4(acc0[r], pr[u][r], v[u]);
+                    }
                     for (; j < nb_lo; j += ks) {
                         float pr[RW];
                         load_rw<RW>(pw + j * RW, pr);
@@ -1737,6 +1761,11 @@ int cc_major(int dev) {
     return major[dev];
 }
 
+// CTAs of the row-wise kernel with rows_per_cta packed rows each.
+int64_t rowwise_ctas(const GqaParams& p, int rows_per_cta) {
+    return (int64_t(p.T) * p.group + rows_per_cta - 1) / rows_per_cta * p.B * p.Hkv;
+}
+
 template <typename Elem, int NW, int RW>
 cudaError_t launch_rowwise(const GqaParams& p, cudaStream_t stream, int dev) {
     static bool raised[kMaxDevices] = {};
@@ -1749,7 +1778,7 @@ cudaError_t launch_rowwise(const GqaParams& p, cudaStream_t stream, int dev) {
     auto kernel = gqa_rowwise_kernel<Elem, NW, RW>;
     cudaError_t err = raise_smem_limit(kernel, kRowSmemBudget, dev, raised);
     if (err != cudaSuccess) return err;
-    const int64_t blocks = (int64_t(p.T) * p.group + NW * RW - 1) / (NW * RW) * p.B * p.Hkv;
+    const int64_t blocks = rowwise_ctas(p, NW * RW);
     if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
     // On sm_90+ the launch overlaps the tail of the previous kernel (the kernel waits for it
     // before its first global read).
@@ -1777,8 +1806,7 @@ cudaError_t launch_rowwise(const GqaParams& p, cudaStream_t stream, int dev) {
 // Measured (NOTES v20): (2, 80, 8, 2, 32) 4.00 against 4.58 us, (4, 128, 32, 8, 64) 26.8 against 38.0.
 template <typename Elem>
 cudaError_t launch_rowwise_best(const GqaParams& p, cudaStream_t stream, int dev) {
-    const int64_t narrow_ctas = (int64_t(p.T) * p.group + 7) / 8 * p.B * p.Hkv;
-    if (narrow_ctas <= 2 * int64_t(sm_count(dev))) return launch_rowwise<Elem, 8, 1>(p, stream, dev);
+    if (rowwise_ctas(p, 8) <= 2 * int64_t(sm_count(dev))) return launch_rowwise<Elem, 8, 1>(p, stream, dev);
     return launch_rowwise<Elem, 4, 4>(p, stream, dev);
 }
 
