@@ -1271,7 +1271,10 @@ struct RowwiseDivs {
     FastDiv hkv;     // Hkv
     FastDiv group;   // G: packed row -> time step
     FastDiv width;   // copy items per row (D / 4 for 16-byte fp32 copies, else D4)
+    int planned;     // 1: fp32, 16-byte rows, one chunk, at most kRowPlanned copies per thread
 };
+// Copies per thread that the planned path computes before the wait for the previous grid.
+constexpr int kRowPlanned = 8;
 
 // Shared-memory layout, in floats. D4 is D rounded up to 4 (rows are read as float4; columns
 // D..D4-1 hold zeros). The q/K pitch is 4 (mod 8), so each 8-lane phase of a float4 read of 8
@@ -1489,9 +1492,52 @@ gqa_rowwise_kernel(const GqaParams p, int kc, const RowwiseDivs dv) {
         const int t = dv.group.div(R);
         return q_base + int64_t(t) * p.q_stride_t + int64_t(R - t * G) * p.q_stride_h;
     };
+    // Planned path: every 16-byte copy of this thread (q rows, then K rows, then V rows of the
+    // one chunk) is addressed before the wait for the previous grid, so after it only the copy
+    // instructions remain (measured: the address arithmetic of the copy loops was most of the
+    // load phase).
+    const bool planned = std::is_same<Elem, float>::value && dv.planned;   // uniform; host-checked
+    const float* plan_src[kRowPlanned];
+    uint32_t plan_dst[kRowPlanned];
+    int plan_bytes[kRowPlanned];
+    if (planned) {
+        const int w = dv.width.d, nk0 = t_hi + 1, n_q = kRows * w, n_k = nk0 * w;
+        const uint32_t s_q = static_cast<uint32_t>(__cvta_generic_to_shared(sQ));
+#pragma unroll
+        for (int u = 0; u < kRowPlanned; ++u) {
+            int i = int(threadIdx.x) + u * NT;
+            const Elem* s = nullptr;
+            int off = -1;
+            if (i < n_q) {
+                const int r = dv.width.div(i), c = i - r * w;
+                s = q_row(r);
+                s = s != nullptr ? s + 4 * c : nullptr;
+                off = r * kld + 4 * c;
+            } else if ((i -= n_q) < n_k) {
+                const int r = dv.width.div(i), c = i - r * w;
+                s = k_base + int64_t(r) * p.k_stride_t + 4 * c, off = int(sK - sQ) + r * kld + 4 * c;
+            } else if ((i -= n_k) < n_k) {
+                const int r = dv.width.div(i), c = i - r * w;
+                s = v_base + int64_t(r) * p.v_stride_t + 4 * c, off = int(sV - sQ) + r * D4 + 4 * c;
+            }
+            plan_bytes[u] = off < 0 ? -1 : s != nullptr ? 16 : 0;   // -1: no copy; 0: zero-fill
+            plan_src[u] = reinterpret_cast<const float*>(s != nullptr ? s : q_base);
+            plan_dst[u] = s_q + 4u * uint32_t(max(off, 0));
+            asm volatile("" : "+l"(plan_src[u]), "+r"(plan_dst[u]), "+r"(plan_bytes[u]));   // here, before the wait
+        }
+    }
     grid_dependency_wait();   // q, k and v may come from the kernel before this one
     allow_dependent_launch();
-    rowwise_load<Elem, NT>(sQ, kld, q_row, kRows, D, p.vec16, bf16, q_base, dv.width);   // waited on with chunk 0
+    if (planned) {
+#pragma unroll
+        for (int u = 0; u < kRowPlanned; ++u) {
+            if (plan_bytes[u] >= 0) {
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(plan_dst[u]), "l"(plan_src[u]), "r"(plan_bytes[u]));
+            }
+        }
+    } else {
+        rowwise_load<Elem, NT>(sQ, kld, q_row, kRows, D, p.vec16, bf16, q_base, dv.width);   // waited on with chunk 0
+    }
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int Rw = r0 + warp * RW;   // the warp's first packed row
@@ -1529,8 +1575,10 @@ gqa_rowwise_kernel(const GqaParams p, int kc, const RowwiseDivs dv) {
         if (c0 > 0) __syncthreads();   // every warp is done with the previous chunk
         auto k_row = [&](int r) -> const Elem* { return k_base + int64_t(c0 + r) * p.k_stride_t; };
         auto v_row = [&](int r) -> const Elem* { return v_base + int64_t(c0 + r) * p.v_stride_t; };
-        rowwise_load<Elem, NT>(sK, kld, k_row, nk, D, p.vec16, bf16, k_base, dv.width);
-        rowwise_load<Elem, NT>(sV, D4, v_row, nk, D, p.vec16, bf16, v_base, dv.width);
+        if (!planned) {   // the planned path's one chunk is already in flight
+            rowwise_load<Elem, NT>(sK, kld, k_row, nk, D, p.vec16, bf16, k_base, dv.width);
+            rowwise_load<Elem, NT>(sV, D4, v_row, nk, D, p.vec16, bf16, v_base, dv.width);
+        }
         cp_async_commit();
         cp_async_wait<0>();
         __syncthreads();
@@ -1767,7 +1815,7 @@ int64_t rowwise_ctas(const GqaParams& p, int rows_per_cta) {
 }
 
 template <typename Elem, int NW, int RW>
-cudaError_t launch_rowwise(const GqaParams& p, cudaStream_t stream, int dev) {
+cudaError_t launch_rowwise(const GqaParams& p, cudaStream_t stream, int dev, bool allow_planned = true) {
     static bool raised[kMaxDevices] = {};
     const int fixed = rowwise_fixed_floats(p.D, NW, RW), per_key = rowwise_key_floats(p.D);
     // Keys per chunk: the whole sequence when it fits the budget, else the most whole warps of keys that do.
@@ -1790,6 +1838,8 @@ cudaError_t launch_rowwise(const GqaParams& p, cudaStream_t stream, int dev) {
     dv.hkv = FastDiv(p.Hkv);
     dv.group = FastDiv(p.group);
     dv.width = FastDiv(std::is_same<Elem, float>::value && p.vec16 ? p.D / 4 : rowwise_d4(p.D));
+    dv.planned = allow_planned && std::is_same<Elem, float>::value && p.vec16 && p.T <= kc &&
+                 int64_t(NW * RW + 2 * p.T) * (p.D / 4) <= int64_t(kRowPlanned) * 32 * NW;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(unsigned(blocks));
     cfg.blockDim = dim3(32 * NW);
