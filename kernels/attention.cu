@@ -1271,10 +1271,11 @@ struct RowwiseDivs {
     FastDiv hkv;     // Hkv
     FastDiv group;   // G: packed row -> time step
     FastDiv width;   // copy items per row (D / 4 for 16-byte fp32 copies, else D4)
-    int planned;     // 1: fp32, 16-byte rows, one chunk, at most kRowPlanned copies per thread
+    int planned;     // 1: fp32, 16-byte rows, one chunk, at most rowwise_planned<NW, RW>() copies per thread
 };
-// Copies per thread that the planned path computes before the wait for the previous grid.
-constexpr int kRowPlanned = 8;
+// Copies per thread that the planned path addresses before the wait for the previous grid: the
+// one-row-per-warp layout (small, latency-bound grids) only; 0 turns the path off.
+template <int NW, int RW> __host__ __device__ constexpr int rowwise_planned() { return RW == 1 ? 16 : 0; }
 
 // Shared-memory layout, in floats. D4 is D rounded up to 4 (rows are read as float4; columns
 // D..D4-1 hold zeros). The q/K pitch is 4 (mod 8), so each 8-lane phase of a float4 read of 8
@@ -1497,14 +1498,15 @@ gqa_rowwise_kernel(const GqaParams p, int kc, const RowwiseDivs dv) {
     // instructions remain (measured: the address arithmetic of the copy loops was most of the
     // load phase).
     const bool planned = std::is_same<Elem, float>::value && dv.planned;   // uniform; host-checked
-    const float* plan_src[kRowPlanned];
-    uint32_t plan_dst[kRowPlanned];
-    int plan_bytes[kRowPlanned];
+    constexpr int kPlan = rowwise_planned<NW, RW>() > 0 ? rowwise_planned<NW, RW>() : 1;
+    const float* plan_src[kPlan];
+    uint32_t plan_dst[kPlan];
+    int plan_bytes[kPlan];
     if (planned) {
         const int w = dv.width.d, nk0 = t_hi + 1, n_q = kRows * w, n_k = nk0 * w;
         const uint32_t s_q = static_cast<uint32_t>(__cvta_generic_to_shared(sQ));
 #pragma unroll
-        for (int u = 0; u < kRowPlanned; ++u) {
+        for (int u = 0; u < kPlan; ++u) {
             int i = int(threadIdx.x) + u * NT;
             const Elem* s = nullptr;
             int off = -1;
@@ -1530,7 +1532,7 @@ gqa_rowwise_kernel(const GqaParams p, int kc, const RowwiseDivs dv) {
     allow_dependent_launch();
     if (planned) {
 #pragma unroll
-        for (int u = 0; u < kRowPlanned; ++u) {
+        for (int u = 0; u < kPlan; ++u) {
             if (plan_bytes[u] >= 0) {
                 asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(plan_dst[u]), "l"(plan_src[u]), "r"(plan_bytes[u]));
             }
@@ -1839,7 +1841,7 @@ cudaError_t launch_rowwise(const GqaParams& p, cudaStream_t stream, int dev, boo
     dv.group = FastDiv(p.group);
     dv.width = FastDiv(std::is_same<Elem, float>::value && p.vec16 ? p.D / 4 : rowwise_d4(p.D));
     dv.planned = allow_planned && std::is_same<Elem, float>::value && p.vec16 && p.T <= kc &&
-                 int64_t(NW * RW + 2 * p.T) * (p.D / 4) <= int64_t(kRowPlanned) * 32 * NW;
+                 int64_t(NW * RW + 2 * p.T) * (p.D / 4) <= int64_t(rowwise_planned<NW, RW>()) * 32 * NW;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(unsigned(blocks));
     cfg.blockDim = dim3(32 * NW);
