@@ -1493,6 +1493,34 @@ gqa_rowwise_kernel(const GqaParams p, int kc, const RowwiseDivs dv) {
         const int t = dv.group.div(R);
         return q_base + int64_t(t) * p.q_stride_t + int64_t(R - t * G) * p.q_stride_h;
     };
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int Rw = r0 + warp * RW;   // the warp's first packed row
+    int tr[RW];                      // each row's time step; -1: a padding row, attends to nothing
+    const float4* q4[RW];
+#pragma unroll
+    for (int r = 0; r < RW; ++r) {
+        tr[r] = Rw + r < rows_total ? dv.group.div(Rw + r) : -1;
+        q4[r] = reinterpret_cast<const float4*>(sQ + (warp * RW + r) * kld);
+    }
+    // Rows are in time order and padding rows come last: the first row attends the fewest keys.
+    int t_top = tr[0];
+#pragma unroll
+    for (int r = 1; r < RW; ++r) t_top = max(t_top, tr[r]);
+    float* pw = sP + warp * (kRowKeysPerPass * RW);
+
+    // P V layout: lane = kq * cgp + cg. The lane owns columns 4cg..4cg+3 (and 128 further on when
+    // D4 > 128) and keys j = kq (mod ks); cgp is the column-group count rounded up to a power of two.
+    const int n4 = D4 / 4;
+    const int lg = n4 >= 32 ? 5 : 32 - __clz(n4 - 1);   // log2(cgp)
+    const int cgp = 1 << lg;
+    const int ks = 32 >> lg;
+    int kq = lane >> lg, cg = lane & (cgp - 1);
+    const bool has0 = cg < n4, has1 = cg + 32 < n4;
+    // The warp's rows and lane layout, like the copy plan below, are computed before the wait
+    // (asm barriers keep the compiler from moving them after it).
+#pragma unroll
+    for (int r = 0; r < RW; ++r) asm volatile("" : "+r"(tr[r]));
+    asm volatile("" : "+r"(t_top), "+r"(kq), "+r"(cg));
     // Planned path: every 16-byte copy of this thread (q rows, then K rows, then V rows of the
     // one chunk) is addressed before the wait for the previous grid, so after it only the copy
     // instructions remain (measured: the address arithmetic of the copy loops was most of the
@@ -1541,28 +1569,6 @@ gqa_rowwise_kernel(const GqaParams p, int kc, const RowwiseDivs dv) {
         rowwise_load<Elem, NT>(sQ, kld, q_row, kRows, D, p.vec16, bf16, q_base, dv.width);   // waited on with chunk 0
     }
 
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int Rw = r0 + warp * RW;   // the warp's first packed row
-    int tr[RW];                      // each row's time step; -1: a padding row, attends to nothing
-    const float4* q4[RW];
-#pragma unroll
-    for (int r = 0; r < RW; ++r) {
-        tr[r] = Rw + r < rows_total ? dv.group.div(Rw + r) : -1;
-        q4[r] = reinterpret_cast<const float4*>(sQ + (warp * RW + r) * kld);
-    }
-    // Rows are in time order and padding rows come last: the first row attends the fewest keys.
-    int t_top = tr[0];
-#pragma unroll
-    for (int r = 1; r < RW; ++r) t_top = max(t_top, tr[r]);
-    float* pw = sP + warp * (kRowKeysPerPass * RW);
-
-    // P V layout: lane = kq * cgp + cg. The lane owns columns 4cg..4cg+3 (and 128 further on when
-    // D4 > 128) and keys j = kq (mod ks); cgp is the column-group count rounded up to a power of two.
-    const int n4 = D4 / 4;
-    const int lg = n4 >= 32 ? 5 : 32 - __clz(n4 - 1);   // log2(cgp)
-    const int cgp = 1 << lg;
-    const int ks = 32 >> lg, kq = lane >> lg, cg = lane & (cgp - 1);
-    const bool has0 = cg < n4, has1 = cg + 32 < n4;
     float4 acc0[RW], acc1[RW];
     float m[RW], l[RW];   // running max (log2 units, warp-uniform); this lane's share of the sum
 #pragma unroll
