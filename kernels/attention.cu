@@ -1725,7 +1725,7 @@ gqa_rowwise_kernel(const GqaParams p, int kc, const RowwiseDivs dv) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Short fp32 sequences on tensor cores: T <= kShortMaxT, head_dim <= 64 in 16-byte rows, grids
+// Short fp32 sequences on tensor cores: T <= kShortMaxT, head_dim <= 32 in 16-byte rows, grids
 // too small to fill the GPU with the row-wise kernel's warps. A CTA owns 16 packed rows; warp w
 // takes keys 16w..16w+15 of them, computes S and P V with TF32 mma.sync (qk_tf32, pv_tf32: three
 // products each, fp32 accuracy) and parks its partial softmax state for a merge at the end. Each
@@ -2033,15 +2033,15 @@ gqa_short_kernel(const GqaParams p, const TileDivs dv) {
         const int d = pr >> 1, i = pr & 1, c = d * 8 + 2 * tig;
         const int t = i ? row_t[1] : row_t[0];   // (a select: a runtime index would put row_t in local memory)
         if (t < 0 || c >= D) continue;
-        // Every warp's slots are read up front (a warp without keys parked nothing: its values are
-        // discarded by the selects).
+        // The slots of every warp with keys are read up front (the others parked nothing).
         float mw[kShortWarps], lw[kShortWarps], ow0[kShortWarps], ow1[kShortWarps], M = -INFINITY;
 #pragma unroll
         for (int w = 0; w < kShortWarps; ++w) {
-            mw[w] = parked(w, kDTiles * 4 + i);
-            lw[w] = parked(w, kDTiles * 4 + 2 + i);
-            ow0[w] = parked(w, d * 4 + 2 * i);
-            ow1[w] = parked(w, d * 4 + 2 * i + 1);
+            const bool has = w < n_active;
+            mw[w] = has ? parked(w, kDTiles * 4 + i) : -INFINITY;
+            lw[w] = has ? parked(w, kDTiles * 4 + 2 + i) : 0.f;
+            ow0[w] = has ? parked(w, d * 4 + 2 * i) : 0.f;
+            ow1[w] = has ? parked(w, d * 4 + 2 * i + 1) : 0.f;
         }
 #pragma unroll
         for (int w = 0; w < kShortWarps; ++w) M = w < n_active ? fmaxf(M, mw[w]) : M;
@@ -2200,7 +2200,8 @@ cudaError_t launch_rowwise(const GqaParams& p, cudaStream_t stream, int dev, boo
     return launch_overlapped(kernel, blocks, 32 * NW, smem, stream, dev, p, kc, dv);
 }
 
-// The short fp32 kernel on tensor cores, compiled for head_dim 32 and 64.
+// The short fp32 kernel on tensor cores (head_dim up to 32: at 40 and 64 it measured slower than
+// the row-wise kernel, NOTES v22).
 template <int DP>
 cudaError_t launch_short(const GqaParams& p, cudaStream_t stream, int dev) {
     static bool raised[kMaxDevices] = {};
@@ -2273,11 +2274,11 @@ cudaError_t launch_best(const GqaParams& p, cudaStream_t stream, int dev) {
 constexpr int kRowwiseMaxT = 128;
 constexpr int kRowwiseMaxD = 8;
 
-// Short fp32 sequences in 16-byte rows at head_dim 9..64 take the tensor-core kernel while the
+// Short fp32 sequences in 16-byte rows at head_dim 9..32 take the tensor-core kernel while the
 // row-wise kernel's one-row-per-warp grid would be at most two CTAs per SM (latency-bound); larger
 // grids keep the row-wise kernel's four rows per warp.
 bool use_short(const GqaParams& p, int dev) {
-    return p.dtype == kGqaFloat32 && p.vec16 && p.T <= kShortMaxT && p.D > kRowwiseMaxD && p.D <= 64 &&
+    return p.dtype == kGqaFloat32 && p.vec16 && p.T <= kShortMaxT && p.D > kRowwiseMaxD && p.D <= 32 &&
            rowwise_ctas(p, 8) <= 2 * int64_t(sm_count(dev));
 }
 
@@ -2317,7 +2318,7 @@ cudaError_t dispatch(const GqaParams& p, cudaStream_t stream) {
     if (err != cudaSuccess) return err;
     if (p.T <= kRowwiseMaxT || p.D <= kRowwiseMaxD) {
         if constexpr (kDtype == kGqaFloat32) {
-            if (use_short(p, dev)) return p.D <= 32 ? launch_short<32>(p, stream, dev) : launch_short<64>(p, stream, dev);
+            if (use_short(p, dev)) return launch_short<32>(p, stream, dev);
         }
         return launch_rowwise_best<ElemOf<kDtype>>(p, stream, dev);
     }
