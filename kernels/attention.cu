@@ -1271,7 +1271,11 @@ struct RowwiseDivs {
     FastDiv hkv;     // Hkv
     FastDiv group;   // G: packed row -> time step
     FastDiv width;   // copy items per row (D / 4 for 16-byte fp32 copies, else D4)
+    int planned;     // 1: fp32, 16-byte rows, one chunk, at most rowwise_planned<NW, RW>() copies per thread
 };
+// Copies per thread that the planned path addresses before the wait for the previous grid: the
+// one-row-per-warp layout (small, latency-bound grids) only; 0 turns the path off.
+template <int NW, int RW> __host__ __device__ constexpr int rowwise_planned() { return RW == 1 ? 16 : 0; }
 
 // Shared-memory layout, in floats. D4 is D rounded up to 4 (rows are read as float4; columns
 // D..D4-1 hold zeros). The q/K pitch is 4 (mod 8), so each 8-lane phase of a float4 read of 8
@@ -1489,10 +1493,6 @@ gqa_rowwise_kernel(const GqaParams p, int kc, const RowwiseDivs dv) {
         const int t = dv.group.div(R);
         return q_base + int64_t(t) * p.q_stride_t + int64_t(R - t * G) * p.q_stride_h;
     };
-    grid_dependency_wait();   // q, k and v may come from the kernel before this one
-    allow_dependent_launch();
-    rowwise_load<Elem, NT>(sQ, kld, q_row, kRows, D, p.vec16, bf16, q_base, dv.width);   // waited on with chunk 0
-
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int Rw = r0 + warp * RW;   // the warp's first packed row
     int tr[RW];                      // each row's time step; -1: a padding row, attends to nothing
@@ -1513,8 +1513,62 @@ gqa_rowwise_kernel(const GqaParams p, int kc, const RowwiseDivs dv) {
     const int n4 = D4 / 4;
     const int lg = n4 >= 32 ? 5 : 32 - __clz(n4 - 1);   // log2(cgp)
     const int cgp = 1 << lg;
-    const int ks = 32 >> lg, kq = lane >> lg, cg = lane & (cgp - 1);
+    const int ks = 32 >> lg;
+    int kq = lane >> lg, cg = lane & (cgp - 1);
     const bool has0 = cg < n4, has1 = cg + 32 < n4;
+    // The warp's rows and lane layout, like the copy plan below, are computed before the wait
+    // (asm barriers keep the compiler from moving them after it).
+#pragma unroll
+    for (int r = 0; r < RW; ++r) asm volatile("" : "+r"(tr[r]));
+    asm volatile("" : "+r"(t_top), "+r"(kq), "+r"(cg));
+    // Planned path: every 16-byte copy of this thread (q rows, then K rows, then V rows of the
+    // one chunk) is addressed before the wait for the previous grid, so after it only the copy
+    // instructions remain (measured: the address arithmetic of the copy loops was most of the
+    // load phase).
+    const bool planned = std::is_same<Elem, float>::value && dv.planned;   // uniform; host-checked
+    constexpr int kPlan = rowwise_planned<NW, RW>() > 0 ? rowwise_planned<NW, RW>() : 1;
+    const float* plan_src[kPlan];
+    uint32_t plan_dst[kPlan];
+    int plan_bytes[kPlan];
+    if (planned) {
+        const int w = dv.width.d, nk0 = t_hi + 1, n_q = kRows * w, n_k = nk0 * w;
+        const uint32_t s_q = static_cast<uint32_t>(__cvta_generic_to_shared(sQ));
+#pragma unroll
+        for (int u = 0; u < kPlan; ++u) {
+            int i = int(threadIdx.x) + u * NT;
+            const Elem* s = nullptr;
+            int off = -1;
+            if (i < n_q) {
+                const int r = dv.width.div(i), c = i - r * w;
+                s = q_row(r);
+                s = s != nullptr ? s + 4 * c : nullptr;
+                off = r * kld + 4 * c;
+            } else if ((i -= n_q) < n_k) {
+                const int r = dv.width.div(i), c = i - r * w;
+                s = k_base + int64_t(r) * p.k_stride_t + 4 * c, off = int(sK - sQ) + r * kld + 4 * c;
+            } else if ((i -= n_k) < n_k) {
+                const int r = dv.width.div(i), c = i - r * w;
+                s = v_base + int64_t(r) * p.v_stride_t + 4 * c, off = int(sV - sQ) + r * D4 + 4 * c;
+            }
+            plan_bytes[u] = off < 0 ? -1 : s != nullptr ? 16 : 0;   // -1: no copy; 0: zero-fill
+            plan_src[u] = reinterpret_cast<const float*>(s != nullptr ? s : q_base);
+            plan_dst[u] = s_q + 4u * uint32_t(max(off, 0));
+            asm volatile("" : "+l"(plan_src[u]), "+r"(plan_dst[u]), "+r"(plan_bytes[u]));   // here, before the wait
+        }
+    }
+    grid_dependency_wait();   // q, k and v may come from the kernel before this one
+    allow_dependent_launch();
+    if (planned) {
+#pragma unroll
+        for (int u = 0; u < kPlan; ++u) {
+            if (plan_bytes[u] >= 0) {
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(plan_dst[u]), "l"(plan_src[u]), "r"(plan_bytes[u]));
+            }
+        }
+    } else {
+        rowwise_load<Elem, NT>(sQ, kld, q_row, kRows, D, p.vec16, bf16, q_base, dv.width);   // waited on with chunk 0
+    }
+
     float4 acc0[RW], acc1[RW];
     float m[RW], l[RW];   // running max (log2 units, warp-uniform); this lane's share of the sum
 #pragma unroll
@@ -1529,8 +1583,10 @@ gqa_rowwise_kernel(const GqaParams p, int kc, const RowwiseDivs dv) {
         if (c0 > 0) __syncthreads();   // every warp is done with the previous chunk
         auto k_row = [&](int r) -> const Elem* { return k_base + int64_t(c0 + r) * p.k_stride_t; };
         auto v_row = [&](int r) -> const Elem* { return v_base + int64_t(c0 + r) * p.v_stride_t; };
-        rowwise_load<Elem, NT>(sK, kld, k_row, nk, D, p.vec16, bf16, k_base, dv.width);
-        rowwise_load<Elem, NT>(sV, D4, v_row, nk, D, p.vec16, bf16, v_base, dv.width);
+        if (!planned) {   // the planned path's one chunk is already in flight
+            rowwise_load<Elem, NT>(sK, kld, k_row, nk, D, p.vec16, bf16, k_base, dv.width);
+            rowwise_load<Elem, NT>(sV, D4, v_row, nk, D, p.vec16, bf16, v_base, dv.width);
+        }
         cp_async_commit();
         cp_async_wait<0>();
         __syncthreads();
@@ -1668,6 +1724,342 @@ gqa_rowwise_kernel(const GqaParams p, int kc, const RowwiseDivs dv) {
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Short fp32 sequences on tensor cores: T <= kShortMaxT, head_dim <= 32 in 16-byte rows, grids
+// too small to fill the GPU with the row-wise kernel's warps. A CTA owns 16 packed rows; warp w
+// takes keys 16w..16w+15 of them, computes S and P V with TF32 mma.sync (qk_tf32, pv_tf32: three
+// products each, fp32 accuracy) and parks its partial softmax state for a merge at the end. Each
+// warp copies its own q rows and K/V slice, and every copy is addressed before the wait for the
+// previous grid, so after it a warp issues its copies, waits for them alone and multiplies: no CTA
+// barrier until the merge. A warp whose S or P V comes out NaN (Inf or NaN among its inputs: the
+// TF32 split of an infinity is NaN) redoes that product in plain fp32 over the keys each row
+// attends, so a non-finite value reaches exactly the rows the reference gives it.
+constexpr int kShortWarps = 8;
+constexpr int kShortKeys = 16;                            // keys per warp
+constexpr int kShortRows = 16;                            // packed rows per CTA: one mma m-tile
+constexpr int kShortMaxT = kShortWarps * kShortKeys;      // every key a row attends has a warp
+static_assert(kShortKeys == kShortRows, "the q, K and V slices of a warp have the same shape");
+template <int DP> constexpr int short_smem_bytes() { return int(sizeof(float)) * kShortWarps * 3 * kShortRows * (DP + 4); }
+
+// split_tf32 in integer arithmetic: adding half a TF32 unit to the magnitude bits and clearing
+// the 13 low bits rounds half away from zero (cvt.rna compiles to about twice the instructions,
+// and the short kernel is bound by its splits). An x that rounds past the largest finite value
+// gives big = inf and small = -inf, so its products come out NaN and take the exact path.
+__device__ __forceinline__ uint32_t round_tf32(uint32_t bits) { return (bits + 0x1000u) & 0xffffe000u; }
+__device__ __forceinline__ void split_tf32_int(float x, uint32_t& big, uint32_t& small) {
+    big = round_tf32(__float_as_uint(x));
+    small = round_tf32(__float_as_uint(x - __uint_as_float(big)));
+}
+
+// S (16 rows x kShortKeys keys) = Q K^T for one warp, `terms` TF32 products per product. A short
+// warp is one dependent chain, so every fragment read is issued first and each (k-step parity,
+// term) pair gets its own accumulator: twelve independent mma chains instead of two.
+template <int DP, int LD>
+__device__ __forceinline__ void short_qk(float (&s)[kShortKeys / 8][4], const float* sQ, const float* sK, int ksteps,
+                                         int terms, int lane) {
+    constexpr int KS = DP / 8, NT = kShortKeys / 8;
+    const int gid = lane >> 2, tig = lane & 3;
+    float a[KS][4], b[KS][NT][2];
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+        const float* qa = sQ + gid * LD + kk * 8 + tig;
+        const bool live = kk < ksteps;   // k-steps wholly in the zero padding are skipped
+        a[kk][0] = live ? qa[0] : 0.f;
+        a[kk][1] = live ? qa[8 * LD] : 0.f;
+        a[kk][2] = live ? qa[4] : 0.f;
+        a[kk][3] = live ? qa[8 * LD + 4] : 0.f;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const float* kb = sK + (j * 8 + gid) * LD + kk * 8 + tig;
+            b[kk][j][0] = live ? kb[0] : 0.f;
+            b[kk][j][1] = live ? kb[4] : 0.f;
+        }
+    }
+    float acc[2][3][NT][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int x = 0; x < 3; ++x)
+#pragma unroll
+            for (int j = 0; j < NT; ++j) acc[h][x][j][0] = acc[h][x][j][1] = acc[h][x][j][2] = acc[h][x][j][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+        if (kk >= ksteps) break;
+        uint32_t a_big[4], a_small[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) split_tf32_int(a[kk][e], a_big[e], a_small[e]);
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            uint32_t b_big[2], b_small[2];
+            split_tf32_int(b[kk][j][0], b_big[0], b_small[0]);
+            split_tf32_int(b[kk][j][1], b_big[1], b_small[1]);
+            if (terms == 3) {
+                mma_tf32(acc[kk & 1][0][j], a_small, b_big);
+                mma_tf32(acc[kk & 1][1][j], a_big, b_small);
+            }
+            mma_tf32(acc[kk & 1][2][j], a_big, b_big);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            s[j][e] = ((acc[0][0][j][e] + acc[1][0][j][e]) + (acc[0][1][j][e] + acc[1][1][j][e])) +
+                      (acc[0][2][j][e] + acc[1][2][j][e]);
+}
+
+// O (16 rows x DP) = P V for one warp: P in the accumulator layout of S read as the A operand
+// with key kappa of a k-step taken as key 2 kappa (kappa < 4) or 2 (kappa - 4) + 1, as pv_tf32
+// does; one accumulator per term, every V fragment read first.
+template <int DP, int LD>
+__device__ __forceinline__ void short_pv(float (&o)[DP / 8][4], const float (&s)[kShortKeys / 8][4], const float* sV,
+                                         int dtiles, int terms, int lane) {
+    constexpr int KD = DP / 8, NT = kShortKeys / 8;
+    const int gid = lane >> 2, tig = lane & 3;
+    float vb[NT][KD][2];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int d = 0; d < KD; ++d) {
+            const float* vsrc = sV + (j * 8 + 2 * tig) * LD + d * 8 + gid;
+            const bool live = d < dtiles;
+            vb[j][d][0] = live ? vsrc[0] : 0.f;
+            vb[j][d][1] = live ? vsrc[LD] : 0.f;
+        }
+    float acc[3][KD][4];
+#pragma unroll
+    for (int x = 0; x < 3; ++x)
+#pragma unroll
+        for (int d = 0; d < KD; ++d) acc[x][d][0] = acc[x][d][1] = acc[x][d][2] = acc[x][d][3] = 0.f;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+        uint32_t p_big[4], p_small[4];
+        split_tf32_int(s[j][0], p_big[0], p_small[0]);
+        split_tf32_int(s[j][2], p_big[1], p_small[1]);
+        split_tf32_int(s[j][1], p_big[2], p_small[2]);
+        split_tf32_int(s[j][3], p_big[3], p_small[3]);
+#pragma unroll
+        for (int d = 0; d < KD; ++d) {
+            if (d >= dtiles) break;
+            uint32_t v_big[2], v_small[2];
+            split_tf32_int(vb[j][d][0], v_big[0], v_small[0]);
+            split_tf32_int(vb[j][d][1], v_big[1], v_small[1]);
+            if (terms == 3) {
+                mma_tf32(acc[0][d], p_small, v_big);
+                mma_tf32(acc[1][d], p_big, v_small);
+            }
+            mma_tf32(acc[2][d], p_big, v_big);
+        }
+    }
+#pragma unroll
+    for (int d = 0; d < KD; ++d)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[d][e] = (acc[0][d][e] + acc[1][d][e]) + acc[2][d][e];
+}
+
+template <int DP>
+__global__ void __launch_bounds__(32 * kShortWarps)
+gqa_short_kernel(const GqaParams p, const TileDivs dv) {
+    constexpr int LD = DP + 4;                      // 4 (mod 32): conflict-free fragment reads
+    constexpr int kChunks = DP / 4;                 // 16-byte copies per row
+    constexpr int kPer = kShortRows * kChunks / 32; // copies per lane of each of q, K and V
+    constexpr int kDTiles = DP / 8;
+    constexpr int kNTiles = kShortKeys / 8;
+    extern __shared__ float4 smem_raw[];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    float* sQ = reinterpret_cast<float*>(smem_raw) + warp * 3 * kShortRows * LD;   // this warp's [16][LD]
+    float* sK = sQ + kShortRows * LD;
+    float* sV = sK + kShortRows * LD;
+
+    const int D = p.D, G = p.group, T = p.T, rows_total = T * G;
+    const int n_qtiles = (rows_total + kShortRows - 1) / kShortRows;
+    const int tile = dv.bh.div(int(blockIdx.x));
+    const int bh = int(blockIdx.x) - tile * dv.bh.d;
+    const int r0 = (n_qtiles - 1 - tile) * kShortRows;   // longest rows first
+    const int b = dv.hkv.div(bh), kvh = bh - b * p.Hkv;
+    const int t_hi = min(dv.group.div(r0 + kShortRows - 1), T - 1);
+    const int key0 = warp * kShortKeys;
+    const bool active = key0 <= t_hi;   // some row attends a key of this warp's slice
+    const float* q_base = static_cast<const float*>(p.q) + b * p.q_stride_b + int64_t(kvh) * G * p.q_stride_h;
+    const float* k_base = static_cast<const float*>(p.k) + b * p.k_stride_b + kvh * p.k_stride_h;
+    const float* v_base = static_cast<const float*>(p.v) + b * p.v_stride_b + kvh * p.v_stride_h;
+    const int gid = lane >> 2, tig = lane & 3;
+    int row_t[2];   // time step of rows gid and gid + 8; -1 past the last row
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int R = r0 + gid + 8 * i;
+        row_t[i] = R < rows_total ? dv.group.div(R) : -1;
+    }
+
+    // The copy plan: lane copies chunk c of rows r, r + 32 / kChunks, ... of q, K and V; rows
+    // past the end and columns past D are zero-filled.
+    const float* src[3][kPer];
+    uint32_t dst[3][kPer];
+    int bytes[3][kPer];
+    const uint32_t s_warp = static_cast<uint32_t>(__cvta_generic_to_shared(sQ));
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+        const int i = lane + 32 * u, r = i / kChunks, c = 4 * (i % kChunks);
+        const bool col = c < D;
+        const int R = r0 + r, t = dv.group.div(R);
+        const bool q_ok = col && R < rows_total, kv_ok = col && key0 + r <= t_hi;
+        src[0][u] = q_ok ? q_base + int64_t(t) * p.q_stride_t + int64_t(R - t * G) * p.q_stride_h + c : q_base;
+        src[1][u] = kv_ok ? k_base + int64_t(key0 + r) * p.k_stride_t + c : k_base;
+        src[2][u] = kv_ok ? v_base + int64_t(key0 + r) * p.v_stride_t + c : v_base;
+        bytes[0][u] = q_ok ? 16 : 0;
+        bytes[1][u] = bytes[2][u] = kv_ok ? 16 : 0;
+#pragma unroll
+        for (int z = 0; z < 3; ++z) {
+            dst[z][u] = s_warp + 4u * uint32_t((z * kShortRows + r) * LD + c);
+            asm volatile("" : "+l"(src[z][u]), "+r"(dst[z][u]), "+r"(bytes[z][u]));   // here, before the wait
+        }
+    }
+    grid_dependency_wait();   // q, k and v may come from the kernel before this one
+    allow_dependent_launch();
+
+    float o[kDTiles][4];
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};   // max of the scaled scores (log2); sum of exp2
+#pragma unroll
+    for (int d = 0; d < kDTiles; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+    if (active) {
+#pragma unroll
+        for (int z = 0; z < 3; ++z)
+#pragma unroll
+            for (int u = 0; u < kPer; ++u)
+                asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst[z][u]), "l"(src[z][u]), "r"(bytes[z][u]));
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncwarp();
+        const int terms = p.tf32_single ? 1 : 3;
+        float s[kNTiles][4];
+        auto any_nan = [](const auto& x) {
+            bool bad = false;
+#pragma unroll
+            for (const auto& row : x)
+#pragma unroll
+                for (float y : row) bad |= y != y;
+            return __any_sync(0xffffffffu, bad);
+        };
+        auto zero = [](auto& x) {
+#pragma unroll
+            for (auto& row : x)
+#pragma unroll
+                for (float& y : row) y = 0.f;
+        };
+        const int ksteps = (D + 7) / 8;
+        short_qk<DP, LD>(s, sQ, sK, ksteps, terms, lane);
+        bool nonfinite = any_nan(s);
+        if (nonfinite) qk_tf32<kShortKeys, DP, LD>(s, sQ, sK, D, terms, true, lane);   // plain fp32
+        // Causal mask, the warp's max per row, probabilities.
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+                for (int e = 2 * i; e < 2 * i + 2; ++e) {
+                    if (key0 + j * 8 + 2 * tig + (e & 1) > row_t[i]) s[j][e] = -INFINITY;
+                    mx = fmaxf(mx, s[j][e]);
+                }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            m[i] = mx * p.scale_log2;
+            const float m_ref = m[i] == -INFINITY ? 0.f : m[i];   // no key of the slice attended
+#pragma unroll
+            for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+                for (int e = 2 * i; e < 2 * i + 2; ++e) {
+                    s[j][e] = fast_exp2(fmaf(s[j][e], p.scale_log2, -m_ref));
+                    l[i] += s[j][e];
+                }
+        }
+        const int dtiles = ksteps;
+        if (!nonfinite) {
+            short_pv<DP, LD>(o, s, sV, dtiles, terms, lane);
+            nonfinite = any_nan(o);
+            if (nonfinite) zero(o);
+        }
+        if (nonfinite) {
+            // Plain fp32 over the attended keys only. p of (row, key) lives in the quad lane that
+            // holds the key's column of S; the loops stay rolled (a rare path).
+#pragma unroll
+            for (int j = 0; j < kNTiles; ++j)
+#pragma unroll 1
+                for (int kk = 0; kk < 8; ++kk) {
+                    const float own0 = (kk & 1) ? s[j][1] : s[j][0];
+                    const float own1 = (kk & 1) ? s[j][3] : s[j][2];
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        const float pk = __shfl_sync(0xffffffffu, i ? own1 : own0, (lane & ~3) | (kk >> 1));
+                        if (key0 + j * 8 + kk > row_t[i]) continue;
+                        const float* vr = sV + (j * 8 + kk) * LD + 2 * tig;
+#pragma unroll
+                        for (int d = 0; d < kDTiles; ++d) {
+                            if (d >= dtiles) break;
+                            o[d][2 * i] = fmaf(pk, vr[d * 8], o[d][2 * i]);
+                            o[d][2 * i + 1] = fmaf(pk, vr[d * 8 + 1], o[d][2 * i + 1]);
+                        }
+                    }
+                }
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+            l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+        }
+        // Park the state in this warp's own K/V room (its products are done with it): slot
+        // [d * 4 + e] holds o[d][e], then m and l of both rows, each slot 32 lanes wide.
+        __syncwarp();
+        float* park = sK;
+#pragma unroll
+        for (int d = 0; d < kDTiles; ++d)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) park[(d * 4 + e) * 32 + lane] = o[d][e];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            park[(kDTiles * 4 + i) * 32 + lane] = m[i];
+            park[(kDTiles * 4 + 2 + i) * 32 + lane] = l[i];
+        }
+    }
+    __syncthreads();
+
+    // Merge: O = sum_w 2^(m_w - M) O_w / sum_w 2^(m_w - M) l_w with M = max_w m_w, over the warps
+    // with keys. Warp w finishes the (column tile, row half) pairs w, w + kShortWarps, ...; the
+    // lanes keep their fragment positions.
+    const int n_active = min(kShortWarps, t_hi / kShortKeys + 1);
+    auto parked = [&](int w, int slot) { return reinterpret_cast<const float*>(smem_raw)[(w * 3 + 1) * kShortRows * LD + slot * 32 + lane]; };
+    float* o_base = static_cast<float*>(p.o) + b * p.o_stride_b + int64_t(kvh) * G * p.o_stride_h;
+    for (int pr = warp; pr < 2 * kDTiles; pr += kShortWarps) {
+        const int d = pr >> 1, i = pr & 1, c = d * 8 + 2 * tig;
+        const int t = i ? row_t[1] : row_t[0];   // (a select: a runtime index would put row_t in local memory)
+        if (t < 0 || c >= D) continue;
+        // The slots of every warp with keys are read up front (the others parked nothing).
+        float mw[kShortWarps], lw[kShortWarps], ow0[kShortWarps], ow1[kShortWarps], M = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < kShortWarps; ++w) {
+            const bool has = w < n_active;
+            mw[w] = has ? parked(w, kDTiles * 4 + i) : -INFINITY;
+            lw[w] = has ? parked(w, kDTiles * 4 + 2 + i) : 0.f;
+            ow0[w] = has ? parked(w, d * 4 + 2 * i) : 0.f;
+            ow1[w] = has ? parked(w, d * 4 + 2 * i + 1) : 0.f;
+        }
+#pragma unroll
+        for (int w = 0; w < kShortWarps; ++w) M = w < n_active ? fmaxf(M, mw[w]) : M;
+        float den = 0.f, y0 = 0.f, y1 = 0.f;
+#pragma unroll
+        for (int w = 0; w < kShortWarps; ++w) {
+            const float f = w < n_active ? fast_exp2(mw[w] - M) : 0.f;
+            den = w < n_active ? fmaf(f, lw[w], den) : den;
+            y0 = w < n_active ? fmaf(f, ow0[w], y0) : y0;
+            y1 = w < n_active ? fmaf(f, ow1[w], y1) : y1;
+        }
+        const float inv = 1.f / den;
+        const int R = r0 + gid + 8 * i;
+        float* dst_row = o_base + int64_t(t) * p.o_stride_t + int64_t(R - t * G) * p.o_stride_h;
+        *reinterpret_cast<float2*>(dst_row + c) = make_float2(y0 * inv, y1 * inv);   // D % 4 == 0, c even
+    }
+}
+
 __global__ void gqa_empty_kernel() {}
 
 // x3, before the attention kernel: the largest finite |x| of each head's K and V, and whether
@@ -1766,8 +2158,27 @@ int64_t rowwise_ctas(const GqaParams& p, int rows_per_cta) {
     return (int64_t(p.T) * p.group + rows_per_cta - 1) / rows_per_cta * p.B * p.Hkv;
 }
 
+// A launch that on sm_90+ overlaps the tail of the previous kernel on the stream (programmatic
+// dependent launch: the kernel waits for it before its first global read).
+template <typename Kernel, typename... Args>
+cudaError_t launch_overlapped(Kernel kernel, int64_t blocks, int threads, size_t smem, cudaStream_t stream, int dev,
+                              const Args&... args) {
+    if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+    cudaLaunchAttribute overlap[1];
+    overlap[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    overlap[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(unsigned(blocks));
+    cfg.blockDim = dim3(threads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = overlap;
+    cfg.numAttrs = cc_major(dev) >= 9 ? 1 : 0;
+    return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
 template <typename Elem, int NW, int RW>
-cudaError_t launch_rowwise(const GqaParams& p, cudaStream_t stream, int dev) {
+cudaError_t launch_rowwise(const GqaParams& p, cudaStream_t stream, int dev, bool allow_planned = true) {
     static bool raised[kMaxDevices] = {};
     const int fixed = rowwise_fixed_floats(p.D, NW, RW), per_key = rowwise_key_floats(p.D);
     // Keys per chunk: the whole sequence when it fits the budget, else the most whole warps of keys that do.
@@ -1779,25 +2190,29 @@ cudaError_t launch_rowwise(const GqaParams& p, cudaStream_t stream, int dev) {
     cudaError_t err = raise_smem_limit(kernel, kRowSmemBudget, dev, raised);
     if (err != cudaSuccess) return err;
     const int64_t blocks = rowwise_ctas(p, NW * RW);
-    if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-    // On sm_90+ the launch overlaps the tail of the previous kernel (the kernel waits for it
-    // before its first global read).
-    cudaLaunchAttribute overlap[1];
-    overlap[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    overlap[0].val.programmaticStreamSerializationAllowed = 1;
     RowwiseDivs dv;
     dv.bh = FastDiv(p.B * p.Hkv);
     dv.hkv = FastDiv(p.Hkv);
     dv.group = FastDiv(p.group);
     dv.width = FastDiv(std::is_same<Elem, float>::value && p.vec16 ? p.D / 4 : rowwise_d4(p.D));
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(unsigned(blocks));
-    cfg.blockDim = dim3(32 * NW);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cfg.attrs = overlap;
-    cfg.numAttrs = cc_major(dev) >= 9 ? 1 : 0;
-    return cudaLaunchKernelEx(&cfg, kernel, p, kc, dv);
+    dv.planned = allow_planned && std::is_same<Elem, float>::value && p.vec16 && p.T <= kc &&
+                 int64_t(NW * RW + 2 * p.T) * (p.D / 4) <= int64_t(rowwise_planned<NW, RW>()) * 32 * NW;
+    return launch_overlapped(kernel, blocks, 32 * NW, smem, stream, dev, p, kc, dv);
+}
+
+// The short fp32 kernel on tensor cores (head_dim up to 32: at 40 and 64 it measured slower than
+// the row-wise kernel, NOTES v22).
+template <int DP>
+cudaError_t launch_short(const GqaParams& p, cudaStream_t stream, int dev) {
+    static bool raised[kMaxDevices] = {};
+    auto kernel = gqa_short_kernel<DP>;
+    const cudaError_t err = raise_smem_limit(kernel, short_smem_bytes<DP>(), dev, raised);
+    if (err != cudaSuccess) return err;
+    TileDivs dv;
+    dv.bh = FastDiv(p.B * p.Hkv);
+    dv.hkv = FastDiv(p.Hkv);
+    dv.group = FastDiv(p.group);
+    return launch_overlapped(kernel, rowwise_ctas(p, kShortRows), 32 * kShortWarps, short_smem_bytes<DP>(), stream, dev, p, dv);
 }
 
 // Small grids are latency-bound: one row per warp, 8 warps per CTA, gives the most warps and the
@@ -1859,6 +2274,14 @@ cudaError_t launch_best(const GqaParams& p, cudaStream_t stream, int dev) {
 constexpr int kRowwiseMaxT = 128;
 constexpr int kRowwiseMaxD = 8;
 
+// Short fp32 sequences in 16-byte rows at head_dim 9..32 take the tensor-core kernel while the
+// row-wise kernel's one-row-per-warp grid would be at most two CTAs per SM (latency-bound); larger
+// grids keep the row-wise kernel's four rows per warp.
+bool use_short(const GqaParams& p, int dev) {
+    return p.dtype == kGqaFloat32 && p.vec16 && p.T <= kShortMaxT && p.D > kRowwiseMaxD && p.D <= 32 &&
+           rowwise_ctas(p, 8) <= 2 * int64_t(sm_count(dev));
+}
+
 // fp32 takes the x3 path (fp32 as three fp16 products, above) on an sm_90a build, at head_dim
 // 33..128 with 16-byte-aligned rows, unless allow_tf32 was set, and when its grid (one CTA per 64
 // packed rows) fills the GPU; smaller grids keep the key-split 3xTF32 kernel.
@@ -1893,7 +2316,12 @@ cudaError_t dispatch(const GqaParams& p, cudaStream_t stream) {
     int dev = 0;
     const cudaError_t err = cudaGetDevice(&dev);
     if (err != cudaSuccess) return err;
-    if (p.T <= kRowwiseMaxT || p.D <= kRowwiseMaxD) return launch_rowwise_best<ElemOf<kDtype>>(p, stream, dev);
+    if (p.T <= kRowwiseMaxT || p.D <= kRowwiseMaxD) {
+        if constexpr (kDtype == kGqaFloat32) {
+            if (use_short(p, dev)) return launch_short<32>(p, stream, dev);
+        }
+        return launch_rowwise_best<ElemOf<kDtype>>(p, stream, dev);
+    }
     if constexpr (kHaveWgmma && kDtype == kGqaFloat32) {
         if (p.workspace != nullptr && use_x3(p, dev)) {
             return x3_width(p) == 64 ? launch_x3<64>(p, stream, dev) : launch_x3<128>(p, stream, dev);
