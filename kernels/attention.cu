@@ -1741,14 +1741,15 @@ constexpr int kShortMaxT = kShortWarps * kShortKeys;      // every key a row att
 static_assert(kShortKeys == kShortRows, "the q, K and V slices of a warp have the same shape");
 template <int DP> constexpr int short_smem_bytes() { return int(sizeof(float)) * kShortWarps * 3 * kShortRows * (DP + 4); }
 
-// split_tf32 in integer arithmetic: adding half a TF32 unit to the magnitude bits and clearing
-// the 13 low bits rounds half away from zero (cvt.rna compiles to about twice the instructions,
-// and the short kernel is bound by its splits). An x that rounds past the largest finite value
-// gives big = inf and small = -inf, so its products come out NaN and take the exact path.
-__device__ __forceinline__ uint32_t round_tf32(uint32_t bits) { return (bits + 0x1000u) & 0xffffe000u; }
+// split_tf32 in integer arithmetic, for the short kernel, which is bound by its splits (cvt.rna
+// compiles to about five instructions): big adds half a TF32 unit to the magnitude bits and clears
+// the 13 low bits (round half away from zero); small = x - big is exact and goes to the tensor
+// core as it is, which reads its top 19 bits (about 2^-21 |x| dropped instead of 2^-23; measured
+// error unchanged, NOTES v22). An x that rounds past the largest finite value gives big = inf and
+// small = -inf, so its products come out NaN and take the exact path.
 __device__ __forceinline__ void split_tf32_int(float x, uint32_t& big, uint32_t& small) {
-    big = round_tf32(__float_as_uint(x));
-    small = round_tf32(__float_as_uint(x - __uint_as_float(big)));
+    big = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+    small = __float_as_uint(x - __uint_as_float(big));
 }
 
 // S (16 rows x kShortKeys keys) = Q K^T for one warp, `terms` TF32 products per product. A short
@@ -1855,6 +1856,11 @@ __device__ __forceinline__ void short_pv(float (&o)[DP / 8][4], const float (&s)
     for (int d = 0; d < KD; ++d)
 #pragma unroll
         for (int e = 0; e < 4; ++e) o[d][e] = (acc[0][d][e] + acc[1][d][e]) + acc[2][d][e];
+}
+
+// Unit u of a warp's parked state: one float2 per lane, 32 lanes wide.
+__device__ __forceinline__ float2& park_unit(float* room, int u) {
+    return reinterpret_cast<float2*>(room)[u * 32 + threadIdx.x % 32];
 }
 
 template <int DP>
@@ -2007,19 +2013,16 @@ gqa_short_kernel(const GqaParams p, const TileDivs dv) {
             l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
             l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
         }
-        // Park the state in this warp's own K/V room (its products are done with it): slot
-        // [d * 4 + e] holds o[d][e], then m and l of both rows, each slot 32 lanes wide.
+        // Park the state in this warp's own K/V room (its products are done with it), as float2
+        // units 32 lanes wide: unit 2d + i holds o[d][2i], o[d][2i + 1]; unit 2 kDTiles + i holds
+        // m[i], l[i] (row half i).
         __syncwarp();
-        float* park = sK;
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) park[(d * 4 + e) * 32 + lane] = o[d][e];
+            for (int i = 0; i < 2; ++i) park_unit(sK, d * 2 + i) = make_float2(o[d][2 * i], o[d][2 * i + 1]);
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            park[(kDTiles * 4 + i) * 32 + lane] = m[i];
-            park[(kDTiles * 4 + 2 + i) * 32 + lane] = l[i];
-        }
+        for (int i = 0; i < 2; ++i) park_unit(sK, kDTiles * 2 + i) = make_float2(m[i], l[i]);
     }
     __syncthreads();
 
@@ -2027,21 +2030,20 @@ gqa_short_kernel(const GqaParams p, const TileDivs dv) {
     // with keys. Warp w finishes the (column tile, row half) pairs w, w + kShortWarps, ...; the
     // lanes keep their fragment positions.
     const int n_active = min(kShortWarps, t_hi / kShortKeys + 1);
-    auto parked = [&](int w, int slot) { return reinterpret_cast<const float*>(smem_raw)[(w * 3 + 1) * kShortRows * LD + slot * 32 + lane]; };
     float* o_base = static_cast<float*>(p.o) + b * p.o_stride_b + int64_t(kvh) * G * p.o_stride_h;
     for (int pr = warp; pr < 2 * kDTiles; pr += kShortWarps) {
         const int d = pr >> 1, i = pr & 1, c = d * 8 + 2 * tig;
         const int t = i ? row_t[1] : row_t[0];   // (a select: a runtime index would put row_t in local memory)
         if (t < 0 || c >= D) continue;
-        // The slots of every warp with keys are read up front (the others parked nothing).
+        // The units of every warp with keys are read up front (the others parked nothing).
         float mw[kShortWarps], lw[kShortWarps], ow0[kShortWarps], ow1[kShortWarps], M = -INFINITY;
 #pragma unroll
         for (int w = 0; w < kShortWarps; ++w) {
             const bool has = w < n_active;
-            mw[w] = has ? parked(w, kDTiles * 4 + i) : -INFINITY;
-            lw[w] = has ? parked(w, kDTiles * 4 + 2 + i) : 0.f;
-            ow0[w] = has ? parked(w, d * 4 + 2 * i) : 0.f;
-            ow1[w] = has ? parked(w, d * 4 + 2 * i + 1) : 0.f;
+            float* room = reinterpret_cast<float*>(smem_raw) + (w * 3 + 1) * kShortRows * LD;   // warp w's K/V room
+            const float2 ml = has ? park_unit(room, kDTiles * 2 + i) : make_float2(-INFINITY, 0.f);
+            const float2 oo = has ? park_unit(room, d * 2 + i) : make_float2(0.f, 0.f);
+            mw[w] = ml.x, lw[w] = ml.y, ow0[w] = oo.x, ow1[w] = oo.y;
         }
 #pragma unroll
         for (int w = 0; w < kShortWarps; ++w) M = w < n_active ? fmaxf(M, mw[w]) : M;
