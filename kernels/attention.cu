@@ -1727,11 +1727,14 @@ gqa_rowwise_kernel(const GqaParams p, int kc, const RowwiseDivs dv) {
 // ---------------------------------------------------------------------------------------------
 // Short fp32 sequences on tensor cores: T <= kShortMaxT, head_dim <= 32 in 16-byte rows, grids
 // too small to fill the GPU with the row-wise kernel's warps. A CTA owns 16 packed rows; warp w
-// takes keys 16w..16w+15 of them, computes S and P V with TF32 mma.sync (qk_tf32, pv_tf32: three
-// products each, fp32 accuracy) and parks its partial softmax state for a merge at the end. Each
-// warp copies its own q rows and K/V slice, and every copy is addressed before the wait for the
-// previous grid, so after it a warp issues its copies, waits for them alone and multiplies: no CTA
-// barrier until the merge. A warp whose S or P V comes out NaN (Inf or NaN among its inputs: the
+// takes keys 16w..16w+15 of them, computes S and P V as 3xTF32 mma.sync (short_qk, short_pv) and
+// parks its partial softmax state for a merge at the end. Each warp copies its own q rows (through
+// L1: the CTA's warps ask for the same lines) and K/V slice, every copy addressed before the wait
+// for the previous grid; q lands in a copy group of its own and is split while K and V land. No
+// CTA barrier until the merge. The products run every k-step and column tile of DP (columns past
+// D are zero-filled and add zeros) with three TF32 terms, all fixed at compile time: loops that
+// depend on D or on allow_tf32 break the mma chains into branches (NOTES v23), so allow_tf32 does
+// not change this kernel. A warp whose S or P V comes out NaN (Inf or NaN among its inputs: the
 // TF32 split of an infinity is NaN) redoes that product in plain fp32 over the keys each row
 // attends, so a non-finite value reaches exactly the rows the reference gives it.
 constexpr int kShortWarps = 8;
@@ -1752,55 +1755,50 @@ __device__ __forceinline__ void split_tf32_int(float x, uint32_t& big, uint32_t&
     small = __float_as_uint(x - __uint_as_float(big));
 }
 
-// S (16 rows x kShortKeys keys) = Q K^T for one warp, `terms` TF32 products per product. A short
-// warp is one dependent chain, so every fragment read is issued first and each (k-step parity,
+// q's A fragments for every k-step of DP, read and split (while K and V are still landing).
+template <int DP, int LD>
+__device__ __forceinline__ void short_q_split(uint32_t (&a_big)[DP / 8][4], uint32_t (&a_small)[DP / 8][4], const float* sQ,
+                                              int lane) {
+    const int gid = lane >> 2, tig = lane & 3;
+#pragma unroll
+    for (int kk = 0; kk < DP / 8; ++kk) {
+        const float* qa = sQ + gid * LD + kk * 8 + tig;
+        split_tf32_int(qa[0], a_big[kk][0], a_small[kk][0]);
+        split_tf32_int(qa[8 * LD], a_big[kk][1], a_small[kk][1]);
+        split_tf32_int(qa[4], a_big[kk][2], a_small[kk][2]);
+        split_tf32_int(qa[8 * LD + 4], a_big[kk][3], a_small[kk][3]);
+    }
+}
+
+// S (16 rows x kShortKeys keys) = Q K^T for one warp, three TF32 products per product. A short
+// warp is one dependent chain, so every K fragment read is issued first and each (k-step parity,
 // term) pair gets its own accumulator: twelve independent mma chains instead of two.
 template <int DP, int LD>
-__device__ __forceinline__ void short_qk(float (&s)[kShortKeys / 8][4], const float* sQ, const float* sK, int ksteps,
-                                         int terms, int lane) {
+__device__ __forceinline__ void short_qk(float (&s)[kShortKeys / 8][4], const uint32_t (&a_big)[DP / 8][4],
+                                         const uint32_t (&a_small)[DP / 8][4], const float* sK, int lane) {
     constexpr int KS = DP / 8, NT = kShortKeys / 8;
     const int gid = lane >> 2, tig = lane & 3;
-    float a[KS][4], b[KS][NT][2];
+    float b[KS][NT][2];
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk) {
-        const float* qa = sQ + gid * LD + kk * 8 + tig;
-        const bool live = kk < ksteps;   // k-steps wholly in the zero padding are skipped
-        a[kk][0] = live ? qa[0] : 0.f;
-        a[kk][1] = live ? qa[8 * LD] : 0.f;
-        a[kk][2] = live ? qa[4] : 0.f;
-        a[kk][3] = live ? qa[8 * LD + 4] : 0.f;
+    for (int kk = 0; kk < KS; ++kk)
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
             const float* kb = sK + (j * 8 + gid) * LD + kk * 8 + tig;
-            b[kk][j][0] = live ? kb[0] : 0.f;
-            b[kk][j][1] = live ? kb[4] : 0.f;
+            b[kk][j][0] = kb[0];
+            b[kk][j][1] = kb[4];
         }
-    }
-    float acc[2][3][NT][4];
+    float acc[2][3][NT][4] = {};
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int x = 0; x < 3; ++x)
-#pragma unroll
-            for (int j = 0; j < NT; ++j) acc[h][x][j][0] = acc[h][x][j][1] = acc[h][x][j][2] = acc[h][x][j][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < KS; ++kk) {
-        if (kk >= ksteps) break;
-        uint32_t a_big[4], a_small[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) split_tf32_int(a[kk][e], a_big[e], a_small[e]);
+    for (int kk = 0; kk < KS; ++kk)
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
             uint32_t b_big[2], b_small[2];
             split_tf32_int(b[kk][j][0], b_big[0], b_small[0]);
             split_tf32_int(b[kk][j][1], b_big[1], b_small[1]);
-            if (terms == 3) {
-                mma_tf32(acc[kk & 1][0][j], a_small, b_big);
-                mma_tf32(acc[kk & 1][1][j], a_big, b_small);
-            }
-            mma_tf32(acc[kk & 1][2][j], a_big, b_big);
+            mma_tf32(acc[kk & 1][0][j], a_small[kk], b_big);
+            mma_tf32(acc[kk & 1][1][j], a_big[kk], b_small);
+            mma_tf32(acc[kk & 1][2][j], a_big[kk], b_big);
         }
-    }
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -1813,8 +1811,7 @@ __device__ __forceinline__ void short_qk(float (&s)[kShortKeys / 8][4], const fl
 // with key kappa of a k-step taken as key 2 kappa (kappa < 4) or 2 (kappa - 4) + 1, as pv_tf32
 // does; one accumulator per term, every V fragment read first.
 template <int DP, int LD>
-__device__ __forceinline__ void short_pv(float (&o)[DP / 8][4], const float (&s)[kShortKeys / 8][4], const float* sV,
-                                         int dtiles, int terms, int lane) {
+__device__ __forceinline__ void short_pv(float (&o)[DP / 8][4], const float (&s)[kShortKeys / 8][4], const float* sV, int lane) {
     constexpr int KD = DP / 8, NT = kShortKeys / 8;
     const int gid = lane >> 2, tig = lane & 3;
     float vb[NT][KD][2];
@@ -1823,15 +1820,10 @@ __device__ __forceinline__ void short_pv(float (&o)[DP / 8][4], const float (&s)
 #pragma unroll
         for (int d = 0; d < KD; ++d) {
             const float* vsrc = sV + (j * 8 + 2 * tig) * LD + d * 8 + gid;
-            const bool live = d < dtiles;
-            vb[j][d][0] = live ? vsrc[0] : 0.f;
-            vb[j][d][1] = live ? vsrc[LD] : 0.f;
+            vb[j][d][0] = vsrc[0];
+            vb[j][d][1] = vsrc[LD];
         }
-    float acc[3][KD][4];
-#pragma unroll
-    for (int x = 0; x < 3; ++x)
-#pragma unroll
-        for (int d = 0; d < KD; ++d) acc[x][d][0] = acc[x][d][1] = acc[x][d][2] = acc[x][d][3] = 0.f;
+    float acc[3][KD][4] = {};
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
         uint32_t p_big[4], p_small[4];
@@ -1841,14 +1833,11 @@ __device__ __forceinline__ void short_pv(float (&o)[DP / 8][4], const float (&s)
         split_tf32_int(s[j][3], p_big[3], p_small[3]);
 #pragma unroll
         for (int d = 0; d < KD; ++d) {
-            if (d >= dtiles) break;
             uint32_t v_big[2], v_small[2];
             split_tf32_int(vb[j][d][0], v_big[0], v_small[0]);
             split_tf32_int(vb[j][d][1], v_big[1], v_small[1]);
-            if (terms == 3) {
-                mma_tf32(acc[0][d], p_small, v_big);
-                mma_tf32(acc[1][d], p_big, v_small);
-            }
+            mma_tf32(acc[0][d], p_small, v_big);
+            mma_tf32(acc[1][d], p_big, v_small);
             mma_tf32(acc[2][d], p_big, v_big);
         }
     }
@@ -1928,15 +1917,23 @@ gqa_short_kernel(const GqaParams p, const TileDivs dv) {
 #pragma unroll
     for (int d = 0; d < kDTiles; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
     if (active) {
+        // q through L1 in a group of its own (the CTA's warps read the same q lines), then K and V.
 #pragma unroll
-        for (int z = 0; z < 3; ++z)
+        for (int u = 0; u < kPer; ++u)
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst[0][u]), "l"(src[0][u]), "r"(bytes[0][u]));
+        cp_async_commit();
+#pragma unroll
+        for (int z = 1; z < 3; ++z)
 #pragma unroll
             for (int u = 0; u < kPer; ++u)
                 asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst[z][u]), "l"(src[z][u]), "r"(bytes[z][u]));
         cp_async_commit();
+        cp_async_wait<1>();
+        __syncwarp();
+        uint32_t qa_big[kDTiles][4], qa_small[kDTiles][4];
+        short_q_split<DP, LD>(qa_big, qa_small, sQ, lane);
         cp_async_wait<0>();
         __syncwarp();
-        const int terms = p.tf32_single ? 1 : 3;
         float s[kNTiles][4];
         auto any_nan = [](const auto& x) {
             bool bad = false;
@@ -1946,16 +1943,9 @@ gqa_short_kernel(const GqaParams p, const TileDivs dv) {
                 for (float y : row) bad |= y != y;
             return __any_sync(0xffffffffu, bad);
         };
-        auto zero = [](auto& x) {
-#pragma unroll
-            for (auto& row : x)
-#pragma unroll
-                for (float& y : row) y = 0.f;
-        };
-        const int ksteps = (D + 7) / 8;
-        short_qk<DP, LD>(s, sQ, sK, ksteps, terms, lane);
+        short_qk<DP, LD>(s, qa_big, qa_small, sK, lane);
         bool nonfinite = any_nan(s);
-        if (nonfinite) qk_tf32<kShortKeys, DP, LD>(s, sQ, sK, D, terms, true, lane);   // plain fp32
+        if (nonfinite) qk_tf32<kShortKeys, DP, LD>(s, sQ, sK, D, 3, true, lane);   // plain fp32
         // Causal mask, the warp's max per row, probabilities.
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
@@ -1979,11 +1969,12 @@ gqa_short_kernel(const GqaParams p, const TileDivs dv) {
                     l[i] += s[j][e];
                 }
         }
-        const int dtiles = ksteps;
         if (!nonfinite) {
-            short_pv<DP, LD>(o, s, sV, dtiles, terms, lane);
+            short_pv<DP, LD>(o, s, sV, lane);
             nonfinite = any_nan(o);
-            if (nonfinite) zero(o);
+            if (nonfinite)
+#pragma unroll
+                for (auto& tile : o) tile[0] = tile[1] = tile[2] = tile[3] = 0.f;
         }
         if (nonfinite) {
             // Plain fp32 over the attended keys only. p of (row, key) lives in the quad lane that
@@ -2001,7 +1992,6 @@ gqa_short_kernel(const GqaParams p, const TileDivs dv) {
                         const float* vr = sV + (j * 8 + kk) * LD + 2 * tig;
 #pragma unroll
                         for (int d = 0; d < kDTiles; ++d) {
-                            if (d >= dtiles) break;
                             o[d][2 * i] = fmaf(pk, vr[d * 8], o[d][2 * i]);
                             o[d][2 * i + 1] = fmaf(pk, vr[d * 8 + 1], o[d][2 * i + 1]);
                         }
@@ -2276,12 +2266,11 @@ cudaError_t launch_best(const GqaParams& p, cudaStream_t stream, int dev) {
 constexpr int kRowwiseMaxT = 128;
 constexpr int kRowwiseMaxD = 8;
 
-// Short fp32 sequences in 16-byte rows at head_dim 9..32 take the tensor-core kernel while the
-// row-wise kernel's one-row-per-warp grid would be at most two CTAs per SM (latency-bound); larger
-// grids keep the row-wise kernel's four rows per warp.
+// Short sequences (asked for fp32 only) in 16-byte rows at head_dim 9..32 take the tensor-core
+// kernel while the row-wise kernel's one-row-per-warp grid would be at most two CTAs per SM
+// (latency-bound); larger grids keep the row-wise kernel's four rows per warp.
 bool use_short(const GqaParams& p, int dev) {
-    return p.dtype == kGqaFloat32 && p.vec16 && p.T <= kShortMaxT && p.D > kRowwiseMaxD && p.D <= 32 &&
-           rowwise_ctas(p, 8) <= 2 * int64_t(sm_count(dev));
+    return p.vec16 && p.T <= kShortMaxT && p.D > kRowwiseMaxD && p.D <= 32 && rowwise_ctas(p, 8) <= 2 * int64_t(sm_count(dev));
 }
 
 // fp32 takes the x3 path (fp32 as three fp16 products, above) on an sm_90a build, at head_dim
