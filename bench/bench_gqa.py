@@ -48,9 +48,13 @@ IMPL_NAMES = (
     "sdpa_cudnn",
     "flex",
     "empty_call",
+    "read_floor",
 )
-# Implementations that are not peers when picking the best competitor.
-NON_PEERS = ("project", "empty_call", "reference_loops")
+# Implementations that are not peers when picking the best competitor. read_floor reads q, k and
+# v once and writes o (no arithmetic): the memory floor of any implementation.
+NON_PEERS = ("project", "empty_call", "read_floor", "reference_loops")
+# Implementations run at the harness shape only.
+HARNESS_ONLY = ("reference_loops", "read_floor")
 MODES = ("harness", "back_to_back", "graph")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
@@ -80,7 +84,7 @@ LOOPS_GRAPH_CALLS, LOOPS_GRAPH_REPLAYS = 2, 3
 
 _TOP_KEYS = ("gpu", "torch", "cuda", "date", "source_sha256", "compile", "rows")
 _COMPILE_KEYS = ("cold_s", "warm_s")
-_ROW_KEYS = ("shape", "dtype", "impl", "mode", "ms", "tflops", "rel_err", "error")
+_ROW_KEYS = ("shape", "dtype", "impl", "mode", "ms", "tflops", "rel_err", "error", "plan")
 
 
 # --------------------------------------------------------------------------
@@ -161,8 +165,9 @@ def validate_results_schema(obj) -> list[str]:
             for key in ("ms", "tflops", "rel_err"):
                 if key in row and row[key] is not None and not (_is_number(row[key]) and row[key] >= 0):
                     problems.append(f"{where}.{key}: expected null or a non-negative number, got {row[key]!r}")
-            if "error" in row and row["error"] is not None and not isinstance(row["error"], str):
-                problems.append(f"{where}.error: expected null or a string")
+            for key in ("error", "plan"):
+                if key in row and row[key] is not None and not isinstance(row[key], str):
+                    problems.append(f"{where}.{key}: expected null or a string")
     return problems
 
 
@@ -367,11 +372,11 @@ class Bench:
         torch = self.torch
         F = torch.nn.functional
         null = contextlib.nullcontext
-        if name in ("project", "empty_call"):
+        if name in ("project", "empty_call", "read_floor"):
             if self.gqa_module is None:
                 raise RuntimeError(f"gqa_module not importable ({self.import_errors.get('gqa_module')})")
-            if name == "empty_call":
-                return self.gqa_module.empty_call, null
+            if name != "project":
+                return getattr(self.gqa_module, name), null
             if self.project_model is None:
                 self.project_model = self.gqa_module.ModelNew().to("cuda").eval()
             return self.project_model, null
@@ -545,6 +550,15 @@ class Bench:
             del graph
 
     # -- rows ------------------------------------------------------------------
+    def plan_of(self, impl):
+        """The project's kernel plan for the inputs in hand ("x3/fp32/d128"), else None."""
+        if impl != "project" or self.gqa_module is None or self.current_inputs is None:
+            return None
+        try:
+            return self.gqa_module.plan(*self.current_inputs)
+        except Exception as e:
+            return f"unknown ({format_error(e)[:80]})"
+
     def add_row(self, shape, dtype_name, impl, mode, ms=None, rel_err=None, error=None, mean=None):
         tflops = None
         if ms is not None and ms > 0:
@@ -559,6 +573,7 @@ class Bench:
             "tflops": tflops,
             "rel_err": float(rel_err) if rel_err is not None and math.isfinite(rel_err) else None,
             "error": error,
+            "plan": self.plan_of(impl),
         }
         key = (tuple(shape), dtype_name, impl, mode)
         if key in self.row_index:
@@ -674,7 +689,7 @@ class Bench:
                 torch.cuda.synchronize()
             except Exception as e:
                 return None, format_error(e) + _warning_hints(caught)
-        if name == "empty_call":  # the launch floor: its output is not attention
+        if name in ("empty_call", "read_floor"):  # the floors: their outputs are not attention
             del out
             return None, None
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(args[0].shape):
@@ -827,26 +842,26 @@ def render_md(result: dict, means: dict, info: dict, brief: bool = False) -> str
         out.append(f"- {line}")
     out.append("")
 
-    # project vs empty_call at the harness shape
-    hs = [(HARNESS_SHAPE, "float32", m) for m in MODES]
+    # project against the two floors at the harness shape
     lines = []
-    for key in hs:
-        g = groups.get(key)
+    for mode in MODES:
+        g = groups.get((HARNESS_SHAPE, "float32", mode))
         if not g:
             continue
-        proj = next((r for r in g if r["impl"] == "project"), None)
-        empty = next((r for r in g if r["impl"] == "empty_call"), None)
-        if proj and empty and proj["ms"] and empty["ms"]:
-            lines.append(
-                f"- {key[2]}: project {_fmt_ms(proj['ms'])} ms / empty_call {_fmt_ms(empty['ms'])} ms "
-                f"= **{proj['ms'] / empty['ms']:.2f}×**"
-            )
-        else:
-            lines.append(f"- {key[2]}: n/a (project or empty_call has no timing)")
+        ms = {r["impl"]: r["ms"] for r in g if r["impl"] in ("project", "read_floor", "empty_call") and r["ms"]}
+        if "project" not in ms:
+            lines.append(f"- {mode}: n/a (the project has no timing)")
+            continue
+        parts = [f"project {_fmt_ms(ms['project'])} ms"]
+        for floor in ("read_floor", "empty_call"):
+            if floor in ms:
+                parts.append(f"{floor} {_fmt_ms(ms[floor])} ms (project = **{ms['project'] / ms[floor]:.2f}×**)")
+        lines.append(f"- {mode}: " + ", ".join(parts))
     if lines:
-        out.append(f"## project vs empty_call (launch floor) at the harness shape {_shape_str(HARNESS_SHAPE)} float32")
+        out.append(f"## project against the floors at the harness shape {_shape_str(HARNESS_SHAPE)} float32")
         out.append("")
-        out.append("back_to_back is the headline figure (project_ms / empty_ms; 1.0 = at the floor).")
+        out.append("read_floor reads q, k and v once and writes o; empty_call allocates o and launches an empty "
+                   "kernel. harness mode times like KernelBench (256 MB L2 flush, events around one call).")
         out.append("")
         out.extend(lines)
         out.append("")
@@ -867,7 +882,7 @@ def render_md(result: dict, means: dict, info: dict, brief: bool = False) -> str
             impls_here = []
             for s in present:
                 for r in groups[(tuple(s), dtype_name, "back_to_back")]:
-                    if r["impl"] not in impls_here and r["impl"] != "empty_call":
+                    if r["impl"] not in impls_here and r["impl"] not in ("empty_call", "read_floor"):
                         impls_here.append(r["impl"])
             for impl in impls_here:
                 cells = []
@@ -881,7 +896,7 @@ def render_md(result: dict, means: dict, info: dict, brief: bool = False) -> str
     out.append("")
     out.append(
         "Ratio = best peer ms / project ms (>1 means the project is faster); best peer = fastest "
-        "error-free impl other than project, empty_call and reference_loops."
+        "error-free impl other than project, empty_call, read_floor and reference_loops."
     )
     out.append("")
     for (shape, dtype_name, mode), g in groups.items():
@@ -889,6 +904,9 @@ def render_md(result: dict, means: dict, info: dict, brief: bool = False) -> str
         out.append(f"### {_shape_str(shape)} {dtype_name} {mode}")
         out.append("")
         out.append(_ratio_line(g))
+        project_plan = next((r.get("plan") for r in g if r["impl"] == "project" and r.get("plan")), None)
+        if project_plan:
+            out.append(f"project plan: `{project_plan}`")
         out.append("")
         if brief and not is_harness_shape:
             continue
@@ -915,7 +933,7 @@ def render_md(result: dict, means: dict, info: dict, brief: bool = False) -> str
             "q is [B,T,Hq,D], k/v are [B,T,Hkv,D].",
             "- Correctness is checked once before timing: rel_err = ‖out−ref‖/‖ref‖ in float64 against a float64 "
             f"reference; tolerance {TOLERANCE['float32']:g} (float32) and {TOLERANCE['bfloat16']:g} (bfloat16/float16). "
-            "A wrong or NaN result is reported as an error and not timed. empty_call is not checked (it is the launch floor).",
+            "A wrong or NaN result is reported as an error and not timed. empty_call and read_floor are not checked (they are floors).",
             f"- Where B·Hq·T²·8 bytes exceed {FULL_REFERENCE_LIMIT // 2**30} GiB, the reference covers only query rows "
             f"0–{SLICE_ROWS - 1} and the last {SLICE_ROWS} (all heads).",
             f"- harness: KernelBench's cuda_event method: {HARNESS_WARMUP} warm-ups, then {HARNESS_TRIALS} trials of "
@@ -952,7 +970,7 @@ def render_plot(result: dict, sweep_shapes: dict, path: Path) -> bool:
     markers = "os^vD<>px*h"
     for ax, dtype_name in zip(axes[0], dtypes):
         shapes = sweep_shapes[dtype_name]
-        impls = [i for i in IMPL_NAMES if i not in ("empty_call", "reference_loops")]
+        impls = [i for i in IMPL_NAMES if i not in NON_PEERS or i == "project"]
         for n, impl in enumerate(impls):
             xs, ys = [], []
             for s in shapes:
@@ -1140,7 +1158,7 @@ def main(argv=None) -> int:
 
     with torch.no_grad():
         for shape, dtype_name, modes in plan:
-            impls = [i for i in impls_all if not (i == "reference_loops" and shape != HARNESS_SHAPE)]
+            impls = [i for i in impls_all if not (i in HARNESS_ONLY and shape != HARNESS_SHAPE)]
             if not impls:
                 continue
             try:

@@ -39,6 +39,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "gqa_params.h"
 
@@ -399,10 +400,12 @@ __device__ __forceinline__ void pv_wgmma(float (&o)[DP / 8][4], const uint32_t (
 // that fills the GPU). Each fp32 operand x, times a power of two 2^e, is split into
 // hi = fp16(x 2^e) and lo = fp16(x 2^e - hi); a product is summed as hi*lo + lo*hi + hi*hi
 // (lo*lo, about 2^-22 of it, is dropped). e puts the largest finite |x| of its group in
-// [2^14, 2^15): inside fp16's range, with lo far above fp16's subnormals. Groups: K and V per
-// (batch, kv head), scanned and split into the workspace by x3_absmax_kernel and x3_split_kernel
-// before the attention kernel; Q per CTA tile, split by the attention kernel as it loads the tile
-// (each Q tile is read once); P, times 2^kX3PShift. The small terms go first in each product, and
+// [2^14, 2^15): inside fp16's range, with lo far above fp16's subnormals. Groups: K per (batch,
+// kv head); V per (batch, kv head, channel), so a channel far smaller than the head's largest
+// keeps its bits (its scale is undone per output column in the epilogue); both scanned and split
+// into the workspace by x3_absmax_kernel and x3_split_kernel before the attention kernel; Q per
+// CTA tile, split by the attention kernel as it loads the tile (each Q tile is read once); P,
+// times 2^kX3PShift. The small terms go first in each product, and
 // P V starts from zero in every tile and is added to O in fp32: the tensor core does not round
 // its additions to nearest, so only the few additions of the hi*hi terms carry that error.
 // Inf or NaN in a CTA's Q tile, or in its head's K or V, leaves the CTA to the 3xTF32 kernel,
@@ -414,17 +417,23 @@ constexpr int kX3Threads = 256;
 
 struct X3Work {         // the workspace, carved up
     Half16* kv;         // [2 (K, V)][B * Hkv][T][2 (hi, lo)][DP]
-    uint32_t* absmax;   // [2 (K, V)][B * Hkv]: largest finite |x| of the head, as float bits
+    uint32_t* absmax_k; // [B * Hkv]: largest finite |x| of the head's K, as float bits
+    uint32_t* absmax_v; // [B * Hkv][DP]: largest finite |x| of each channel of the head's V
     uint32_t* bad;      // [B * Hkv]: Inf or NaN in the head's K or V
     uint8_t* redo;      // [CTAs of the attention kernel]: 1 = left to the 3xTF32 kernel
 };
 __host__ __device__ inline int64_t x3_kv_elems(const GqaParams& p, int DP) { return int64_t(4) * p.B * p.Hkv * p.T * DP; }
+// Bytes of absmax_k, absmax_v and bad, which lie together and start at zero on every call.
+__host__ __device__ inline int64_t x3_stats_bytes(const GqaParams& p, int DP) {
+    return int64_t(sizeof(uint32_t)) * p.B * p.Hkv * (DP + 2);
+}
 __host__ __device__ inline X3Work x3_work(const GqaParams& p, int DP) {
     char* base = static_cast<char*>(p.workspace);
     X3Work w;
     w.kv = reinterpret_cast<Half16*>(base);
-    w.absmax = reinterpret_cast<uint32_t*>(base + x3_kv_elems(p, DP) * int64_t(sizeof(Half16)));
-    w.bad = w.absmax + 2 * p.B * p.Hkv;
+    w.absmax_k = reinterpret_cast<uint32_t*>(base + x3_kv_elems(p, DP) * int64_t(sizeof(Half16)));
+    w.absmax_v = w.absmax_k + p.B * p.Hkv;
+    w.bad = w.absmax_v + int64_t(p.B) * p.Hkv * DP;
     w.redo = reinterpret_cast<uint8_t*>(w.bad + p.B * p.Hkv);
     return w;
 }
@@ -847,7 +856,7 @@ gqa_fwd_kernel(const GqaParams p, const TileDivs dv) {
     const int ksteps = (p.D + 7) / 8;            // 8-column steps that touch real columns
     const int terms = p.tf32_single ? 1 : 3;     // TF32 products per fp32 product
     float scale_log2 = p.scale_log2;   // x3: also undoes the scales of Q and K
-    int x3_ev = 0;                     // x3: V's scale exponent, undone in the epilogue
+    const uint32_t* x3_vmax = nullptr; // x3: V's channel maxima, whose scales the epilogue undoes
     if constexpr (kX3) {
         const X3Work w = x3_work(p, DP);
         int eq = 0;
@@ -860,8 +869,8 @@ gqa_fwd_kernel(const GqaParams p, const TileDivs dv) {
             cp_async_wait<0>();
             return;
         }
-        scale_log2 = x3_scale(x3_scale(scale_log2, -eq), -x3_exponent(w.absmax[bh]));
-        x3_ev = x3_exponent(w.absmax[bh_count + bh]);
+        scale_log2 = x3_scale(x3_scale(scale_log2, -eq), -x3_exponent(w.absmax_k[bh]));
+        x3_vmax = w.absmax_v + int64_t(bh) * DP;
     }
 
     // This thread's rows: row r is gid + 8 * (r % 2) of m-tile r / 2, i.e. fragment half r % 2 of
@@ -995,7 +1004,8 @@ gqa_fwd_kernel(const GqaParams p, const TileDivs dv) {
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
                     const float pk = __shfl_sync(0xffffffffu, i ? own1 : own0, (lane & ~3) | (kk8 >> 1));
-                    if (key > row_t[i]) continue;
+                    // Padding rows past the last time step would reach keys past T: none exist.
+                    if (key > row_t[i] || key >= T) continue;
                     const Elem* vr = v_base + int64_t(key) * p.v_stride_t;
 #pragma unroll
                     for (int d = 0; d < kDTiles; ++d)
@@ -1139,30 +1149,26 @@ gqa_fwd_kernel(const GqaParams p, const TileDivs dv) {
             }
             const bool nonfinite = __syncthreads_or(own_tile_bad(n, n & 1));
             const int key0 = n * TK + wkey;   // first key of this warp's slice of the tile
-            if (key0 > warp_t_hi) {           // every key of the slice is in the future of every row
-                __syncthreads();
-                continue;
-            }
-            const Elem* Kt = sK + (n & 1) * TK * LD + wkey * LD;
-            const Elem* Vt = sV + (n & 1) * TK * LD + wkey * LD;
+            // A slice whose every key is in the future of every row of the warp is skipped; the
+            // warp still meets the one barrier below, which every thread of the CTA reaches.
+            if (key0 <= warp_t_hi) {
+                const Elem* Kt = sK + (n & 1) * TK * LD + wkey * LD;
+                const Elem* Vt = sV + (n & 1) * TK * LD + wkey * LD;
 
-            // S = Q K^T for the warp's rows and BN keys.
-            float s[MT][kNTiles][4];
-            float f[kRows];
+                // S = Q K^T for the warp's rows and BN keys.
+                float s[MT][kNTiles][4];
+                float f[kRows];
 #pragma unroll
-            for (int t = 0; t < MT; ++t)
+                for (int t = 0; t < MT; ++t)
 #pragma unroll
-                for (int j = 0; j < kNTiles; ++j) s[t][j][0] = s[t][j][1] = s[t][j][2] = s[t][j][3] = 0.f;
-            if constexpr (kHalf) qk_16bit<bf16, BN, DP, LD, MT>(s, sQ + wrow * LD, Kt, (p.D + 15) / 16, lane);
-            else qk_tf32<BN, DP, LD>(s[0], sQ + wrow * LD, Kt, p.D, terms, nonfinite, lane);
-            mask_softmax(s, key0, f);
-            if (nonfinite) {
-                scalar_pv(s, Vt, key0);
-                __syncthreads();
-                continue;
+                    for (int j = 0; j < kNTiles; ++j) s[t][j][0] = s[t][j][1] = s[t][j][2] = s[t][j][3] = 0.f;
+                if constexpr (kHalf) qk_16bit<bf16, BN, DP, LD, MT>(s, sQ + wrow * LD, Kt, (p.D + 15) / 16, lane);
+                else qk_tf32<BN, DP, LD>(s[0], sQ + wrow * LD, Kt, p.D, terms, nonfinite, lane);
+                mask_softmax(s, key0, f);
+                if (nonfinite) scalar_pv(s, Vt, key0);
+                else if constexpr (kHalf) pv_16bit<bf16, BN, DP, LD, MT>(o, s, Vt, ksteps, lane);
+                else pv_tf32<BN, DP, LD>(o[0], s[0], Vt, ksteps, terms, lane);
             }
-            if constexpr (kHalf) pv_16bit<bf16, BN, DP, LD, MT>(o, s, Vt, ksteps, lane);
-            else pv_tf32<BN, DP, LD>(o[0], s[0], Vt, ksteps, terms, lane);
             __syncthreads();   // the stage is refilled by the next iteration's prefetch
         }
     }
@@ -1219,6 +1225,16 @@ gqa_fwd_kernel(const GqaParams p, const TileDivs dv) {
     // output is contiguous, so every row start is then even too) a pair is one aligned store.
     Elem* o_base = static_cast<Elem*>(p.o) + b * p.o_stride_b + int64_t(kvh) * G * p.o_stride_h;
     const bool pairs = (p.D & 1) == 0;
+    // x3: the exponents of this thread's V channels, read before any store (a store between two
+    // reads would make each read wait for the one before it).
+    int ev[kX3 ? kDTiles : 1][2];
+    if constexpr (kX3) {
+#pragma unroll
+        for (int d = 0; d < kDTiles; ++d) {
+            ev[d][0] = x3_exponent(x3_vmax[d * 8 + 2 * tig]);
+            ev[d][1] = x3_exponent(x3_vmax[d * 8 + 2 * tig + 1]);
+        }
+    }
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
         const float inv = 1.f / l[r];
@@ -1232,8 +1248,8 @@ gqa_fwd_kernel(const GqaParams p, const TileDivs dv) {
             const int c = d * 8 + 2 * tig;
             float y0 = ot[d][h] * inv, y1 = ot[d][h + 1] * inv;
             if constexpr (kX3) {
-                y0 = x3_scale(y0, -x3_ev);
-                y1 = x3_scale(y1, -x3_ev);
+                y0 = x3_scale(y0, -ev[d][0]);
+                y1 = x3_scale(y1, -ev[d][1]);
             }
             if (pairs && c < p.D) {
                 store_pair(dst + c, y0, y1, bf16);
@@ -1271,11 +1287,11 @@ struct RowwiseDivs {
     FastDiv hkv;     // Hkv
     FastDiv group;   // G: packed row -> time step
     FastDiv width;   // copy items per row (D / 4 for 16-byte fp32 copies, else D4)
-    int planned;     // 1: fp32, 16-byte rows, one chunk, at most rowwise_planned<NW, RW>() copies per thread
+    int planned;     // 1: fp32, 16-byte rows, one chunk, at most rowwise_planned_copies(RW) copies per thread
 };
 // Copies per thread that the planned path addresses before the wait for the previous grid: the
 // one-row-per-warp layout (small, latency-bound grids) only; 0 turns the path off.
-template <int NW, int RW> __host__ __device__ constexpr int rowwise_planned() { return RW == 1 ? 16 : 0; }
+__host__ __device__ constexpr int rowwise_planned_copies(int rw) { return rw == 1 ? 16 : 0; }
 
 // Shared-memory layout, in floats. D4 is D rounded up to 4 (rows are read as float4; columns
 // D..D4-1 hold zeros). The q/K pitch is 4 (mod 8), so each 8-lane phase of a float4 read of 8
@@ -1526,7 +1542,7 @@ gqa_rowwise_kernel(const GqaParams p, int kc, const RowwiseDivs dv) {
     // instructions remain (measured: the address arithmetic of the copy loops was most of the
     // load phase).
     const bool planned = std::is_same<Elem, float>::value && dv.planned;   // uniform; host-checked
-    constexpr int kPlan = rowwise_planned<NW, RW>() > 0 ? rowwise_planned<NW, RW>() : 1;
+    constexpr int kPlan = rowwise_planned_copies(RW) > 0 ? rowwise_planned_copies(RW) : 1;
     const float* plan_src[kPlan];
     uint32_t plan_dst[kPlan];
     int plan_bytes[kPlan];
@@ -2054,9 +2070,9 @@ gqa_short_kernel(const GqaParams p, const TileDivs dv) {
 
 __global__ void gqa_empty_kernel() {}
 
-// x3, before the attention kernel: the largest finite |x| of each head's K and V, and whether
-// the head holds Inf or NaN (absmax and bad start at zero). Grid: (ceil(T / kX3Rows), B * Hkv,
-// 2 for K and V); rows of D fp32 values, 16-byte aligned.
+// x3, before the attention kernel: the largest finite |x| of each head's K and of each channel of
+// its V, and whether the head holds Inf or NaN (all start at zero). Grid: (ceil(T / kX3Rows),
+// B * Hkv, 2 for K and V); rows of D fp32 values, 16-byte aligned.
 __device__ __forceinline__ const float* x3_head_rows(const GqaParams& p, int z, int bh, int64_t& stride_t) {
     const int b = bh / p.Hkv, h = bh % p.Hkv;
     stride_t = z ? p.v_stride_t : p.k_stride_t;
@@ -2069,26 +2085,44 @@ __global__ void __launch_bounds__(kX3Threads) x3_absmax_kernel(const GqaParams p
     const int z = int(blockIdx.z), bh = int(blockIdx.y), t0 = int(blockIdx.x) * kX3Rows;
     int64_t stride_t = 0;
     const float* rows = x3_head_rows(p, z, bh, stride_t);
-    const int chunks = p.D / 4;
-    float mx = 0.f;
+    // Thread i reads float4 chunk i % chunks of rows t0 + i / chunks, stepping `per` rows.
+    const int chunks = p.D / 4, per = kX3Threads / chunks;
+    const int c = (int(threadIdx.x) % chunks) * 4, r0 = int(threadIdx.x) / chunks;
+    const int t_end = min(t0 + kX3Rows, p.T);
+    float4 mx = make_float4(0.f, 0.f, 0.f, 0.f);
     bool bad = false;
-    for (int i = threadIdx.x; i < kX3Rows * chunks; i += kX3Threads) {
-        const int t = t0 + i / chunks, c = (i % chunks) * 4;
-        if (t >= p.T) break;
-        const float4 x = *reinterpret_cast<const float4*>(rows + t * stride_t + c);
-        abs_max_finite(x.x, mx, bad);
-        abs_max_finite(x.y, mx, bad);
-        abs_max_finite(x.z, mx, bad);
-        abs_max_finite(x.w, mx, bad);
+    if (r0 < per) {
+        for (int t = t0 + r0; t < t_end; t += per) {
+            const float4 x = *reinterpret_cast<const float4*>(rows + t * stride_t + c);
+            abs_max_finite(x.x, mx.x, bad);
+            abs_max_finite(x.y, mx.y, bad);
+            abs_max_finite(x.z, mx.z, bad);
+            abs_max_finite(x.w, mx.w, bad);
+        }
     }
-    const uint32_t warp_max = __reduce_max_sync(0xffffffffu, __float_as_uint(mx));
-    const bool warp_bad = __any_sync(0xffffffffu, bad);
-    if (threadIdx.x % 32 == 0) {
-        atomicMax(&w.absmax[z * p.B * p.Hkv + bh], warp_max);
-        if (warp_bad) atomicOr(&w.bad[bh], 1u);
+    if (__any_sync(0xffffffffu, bad) && threadIdx.x % 32 == 0) atomicOr(&w.bad[bh], 1u);
+    if (z == 0) {   // K: one maximum for the head
+        const float m = fmaxf(fmaxf(mx.x, mx.y), fmaxf(mx.z, mx.w));
+        const uint32_t warp_max = __reduce_max_sync(0xffffffffu, __float_as_uint(m));
+        if (threadIdx.x % 32 == 0) atomicMax(&w.absmax_k[bh], warp_max);
+    } else {        // V: one maximum per channel, gathered in shared memory first
+        __shared__ uint32_t col_max[DP];
+        for (int i = threadIdx.x; i < DP; i += kX3Threads) col_max[i] = 0u;
+        __syncthreads();
+        if (r0 < per) {
+            atomicMax(&col_max[c], __float_as_uint(mx.x));
+            atomicMax(&col_max[c + 1], __float_as_uint(mx.y));
+            atomicMax(&col_max[c + 2], __float_as_uint(mx.z));
+            atomicMax(&col_max[c + 3], __float_as_uint(mx.w));
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < p.D; i += kX3Threads) {
+            if (col_max[i] != 0u) atomicMax(&w.absmax_v[int64_t(bh) * DP + i], col_max[i]);
+        }
     }
 }
-// x3: K and V rows times 2^e of their head, as fp16 hi and lo rows in the workspace, zero past D.
+// x3: K and V rows times 2^e of their group (K: the head; V: the channel), as fp16 hi and lo rows
+// in the workspace, zero past D.
 template <int DP>
 __global__ void __launch_bounds__(kX3Threads) x3_split_kernel(const GqaParams p) {
     const X3Work w = x3_work(p, DP);
@@ -2096,21 +2130,54 @@ __global__ void __launch_bounds__(kX3Threads) x3_split_kernel(const GqaParams p)
     const int bh_count = p.B * p.Hkv;
     int64_t stride_t = 0;
     const float* rows = x3_head_rows(p, z, bh, stride_t);
-    const int e = x3_exponent(w.absmax[z * bh_count + bh]);
-    const float f1 = pow2_exact(e / 2), f2 = pow2_exact(e - e / 2);
     Half16* dst = w.kv + (int64_t(z) * bh_count + bh) * p.T * 2 * DP;
     constexpr int kChunks = DP / 4;
-    for (int i = threadIdx.x; i < kX3Rows * kChunks; i += kX3Threads) {
-        const int t = t0 + i / kChunks, c = (i % kChunks) * 4;
-        if (t >= p.T) break;
+    static_assert(kX3Threads % kChunks == 0, "each thread keeps one float4 column chunk");
+    // This thread's four columns and their exponents, the same on every row it splits.
+    const int c = (int(threadIdx.x) % kChunks) * 4;
+    float f1[4], f2[4];   // 2^e as two exact factors
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int e = x3_exponent(z == 0 ? w.absmax_k[bh] : w.absmax_v[int64_t(bh) * DP + c + j]);
+        f1[j] = pow2_exact(e / 2);
+        f2[j] = pow2_exact(e - e / 2);
+    }
+    for (int t = t0 + int(threadIdx.x) / kChunks; t < min(t0 + kX3Rows, p.T); t += kX3Threads / kChunks) {
         const float4 x = c < p.D ? *reinterpret_cast<const float4*>(rows + t * stride_t + c) : make_float4(0.f, 0.f, 0.f, 0.f);
         uint2 h, l;
-        x3_split2(x.x * f1 * f2, x.y * f1 * f2, h.x, l.x);
-        x3_split2(x.z * f1 * f2, x.w * f1 * f2, h.y, l.y);
+        x3_split2(x.x * f1[0] * f2[0], x.y * f1[1] * f2[1], h.x, l.x);
+        x3_split2(x.z * f1[2] * f2[2], x.w * f1[3] * f2[3], h.y, l.y);
         Half16* row = dst + int64_t(t) * 2 * DP;
         *reinterpret_cast<uint2*>(row + c) = h;
         *reinterpret_cast<uint2*>(row + DP + c) = l;
     }
+}
+
+// The read floor, for benchmarks: read q, k and v once (16 bytes per thread per step where the
+// rows allow) and write o = q; nothing else. Contiguous tensors only (the binding makes them so).
+template <typename Elem>
+__global__ void __launch_bounds__(256) gqa_read_floor_kernel(const GqaParams p) {
+    grid_dependency_wait();
+    const int64_t nq = int64_t(p.B) * p.T * p.Hq * p.D, nkv = int64_t(p.B) * p.T * p.Hkv * p.D;
+    constexpr int kVec = 16 / int(sizeof(Elem));
+    const Elem* q = static_cast<const Elem*>(p.q);
+    Elem* o = static_cast<Elem*>(p.o);
+    const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+    const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    float sink = 0.f;
+    if (p.vec16) {
+        for (int64_t i = first; i < nq / kVec; i += stride)
+            reinterpret_cast<float4*>(o)[i] = reinterpret_cast<const float4*>(q)[i];
+        for (int64_t i = first; i < nkv / kVec; i += stride) {
+            const float4 a = reinterpret_cast<const float4*>(p.k)[i], b = reinterpret_cast<const float4*>(p.v)[i];
+            sink += a.x + a.y + a.z + a.w + b.x + b.y + b.z + b.w;
+        }
+    }
+    const int64_t q_done = p.vec16 ? nq / kVec * kVec : 0, kv_done = p.vec16 ? nkv / kVec * kVec : 0;
+    for (int64_t i = q_done + first; i < nq; i += stride) o[i] = q[i];
+    for (int64_t i = kv_done + first; i < nkv; i += stride)
+        sink += float(static_cast<const Elem*>(p.k)[i]) + float(static_cast<const Elem*>(p.v)[i]);
+    if (sink == 1.2345678e-30f) o[0] = q[0];   // keeps the K and V reads; never true for real data
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -2149,6 +2216,13 @@ int cc_major(int dev) {
 int64_t rowwise_ctas(const GqaParams& p, int rows_per_cta) {
     return (int64_t(p.T) * p.group + rows_per_cta - 1) / rows_per_cta * p.B * p.Hkv;
 }
+// Keys per shared-memory chunk of the row-wise kernel: the whole sequence when it fits the
+// budget, else the most whole warps of keys that do (below 32: none fits).
+int rowwise_chunk_keys(const GqaParams& p, int nw, int rw) {
+    const int fixed = rowwise_fixed_floats(p.D, nw, rw), per_key = rowwise_key_floats(p.D);
+    const int cap = (kRowSmemBudget / int(sizeof(float)) - fixed) / per_key / 32 * 32;
+    return std::min((p.T + 31) / 32 * 32, cap);
+}
 
 // A launch that on sm_90+ overlaps the tail of the previous kernel on the stream (programmatic
 // dependent launch: the kernel waits for it before its first global read).
@@ -2169,31 +2243,96 @@ cudaError_t launch_overlapped(Kernel kernel, int64_t blocks, int threads, size_t
     return cudaLaunchKernelEx(&cfg, kernel, args...);
 }
 
+// Built for sm_90a alone (the build then defines GQA_SM90A): the wgmma families exist.
+#ifdef GQA_SM90A
+constexpr bool kHaveWgmma = true;
+#else
+constexpr bool kHaveWgmma = false;
+#endif
+
+// CTAs of 64 packed rows (every tiled variant but the 16-bit mma.sync one): the grid of the long
+// variants, of the x3 kernel and of its redo flags.
+int64_t tiles_of_64_rows(const GqaParams& p) { return (int64_t(p.T) * p.group + 63) / 64 * p.B * p.Hkv; }
+
+// Short sequences, and head dims too small to feed a tensor-core tile, take the row-wise kernel.
+constexpr int kRowwiseMaxT = 128;
+constexpr int kRowwiseMaxD = 8;
+
+// ---------------------------------------------------------------------------------------------
+// The plan: one decision per call, from the shapes, dtype, row alignment and device. The
+// workspace size, the launch and plan() all read the same GqaPlan.
+//  - row-wise: T <= kRowwiseMaxT or head_dim <= kRowwiseMaxD. Small grids (one-row-per-warp CTAs
+//    at most two per SM) are latency-bound: 8 warps x 1 row; larger grids 4 warps x 4 rows, which
+//    share every key read. fp32 in 16-byte rows that fit one chunk addresses every copy before
+//    the wait for the previous grid ("planned").
+//  - short: fp32, 16-byte rows, head_dim 9..32, where the row-wise grid would be 8 x 1.
+//  - x3: fp32 on an sm_90a build, head_dim 33..128, 16-byte rows, allow_tf32 off, a grid of 64-row
+//    CTAs that fills the GPU.
+//  - wgmma: fp16 and bf16 on an sm_90a build, head_dim 33..128 (widths 64, 128), 16-byte rows.
+//  - tiled (mma.sync): everything else; fp32 at widths up to 128 splits each K/V tile over 8
+//    warps when 64-row CTAs would not give every SM one.
+GqaPlan make_plan(const GqaParams& p, const GqaDevice& dev) {
+    GqaPlan plan{};
+    plan.dtype = p.dtype;
+    plan.warps = 4;
+    plan.split = 1;
+    const bool fp32 = p.dtype == kGqaFloat32;
+    const int64_t sms = dev.sm_count > 0 ? dev.sm_count : 1;
+    if (p.T <= kRowwiseMaxT || p.D <= kRowwiseMaxD) {
+        const bool small_grid = rowwise_ctas(p, 8) <= 2 * sms;
+        if (fp32 && p.vec16 && p.T <= kShortMaxT && p.D > kRowwiseMaxD && p.D <= 32 && small_grid) {
+            plan.family = kGqaShort;
+            plan.width = 32;
+            plan.warps = kShortWarps;
+            return plan;
+        }
+        plan.family = kGqaRowwise;
+        plan.warps = small_grid ? 8 : 4;
+        plan.split = small_grid ? 1 : 4;
+        const int copies = rowwise_planned_copies(plan.split);
+        plan.planned = fp32 && p.vec16 && p.T <= rowwise_chunk_keys(p, plan.warps, plan.split) &&
+                       int64_t(plan.warps * plan.split + 2 * p.T) * (p.D / 4) <= int64_t(copies) * 32 * plan.warps;
+        return plan;
+    }
+    plan.width = p.D <= 32 ? 32 : p.D <= 64 ? 64 : p.D <= 128 ? 128 : 256;
+    if (kHaveWgmma && p.vec16 && p.D > 32 && p.D <= 128) {
+        if (!fp32) {
+            plan.family = kGqaWgmma;
+            return plan;
+        }
+        if (!p.tf32_single && int64_t(p.B) * p.Hkv <= 65535 && tiles_of_64_rows(p) >= sms) {
+            plan.family = kGqaX3;
+            return plan;
+        }
+    }
+    plan.family = kGqaTiled;
+    if (fp32 && plan.width <= 128 && tiles_of_64_rows(p) < sms) {
+        plan.warps = 8;
+        plan.split = 8;
+    }
+    return plan;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launches, one per family.
 template <typename Elem, int NW, int RW>
-cudaError_t launch_rowwise(const GqaParams& p, cudaStream_t stream, int dev, bool allow_planned = true) {
+cudaError_t launch_rowwise(const GqaParams& p, const GqaPlan& plan, cudaStream_t stream, int dev) {
     static bool raised[kMaxDevices] = {};
-    const int fixed = rowwise_fixed_floats(p.D, NW, RW), per_key = rowwise_key_floats(p.D);
-    // Keys per chunk: the whole sequence when it fits the budget, else the most whole warps of keys that do.
-    const int cap = (kRowSmemBudget / int(sizeof(float)) - fixed) / per_key / 32 * 32;
-    const int kc = std::min((p.T + 31) / 32 * 32, cap);
+    const int kc = rowwise_chunk_keys(p, NW, RW);
     if (kc < 32) return cudaErrorInvalidConfiguration;   // not one warp of keys fits
-    const size_t smem = sizeof(float) * (size_t(fixed) + size_t(kc) * per_key);
+    const size_t smem = sizeof(float) * (size_t(rowwise_fixed_floats(p.D, NW, RW)) + size_t(kc) * rowwise_key_floats(p.D));
     auto kernel = gqa_rowwise_kernel<Elem, NW, RW>;
     cudaError_t err = raise_smem_limit(kernel, kRowSmemBudget, dev, raised);
     if (err != cudaSuccess) return err;
-    const int64_t blocks = rowwise_ctas(p, NW * RW);
     RowwiseDivs dv;
     dv.bh = FastDiv(p.B * p.Hkv);
     dv.hkv = FastDiv(p.Hkv);
     dv.group = FastDiv(p.group);
     dv.width = FastDiv(std::is_same<Elem, float>::value && p.vec16 ? p.D / 4 : rowwise_d4(p.D));
-    dv.planned = allow_planned && std::is_same<Elem, float>::value && p.vec16 && p.T <= kc &&
-                 int64_t(NW * RW + 2 * p.T) * (p.D / 4) <= int64_t(rowwise_planned<NW, RW>()) * 32 * NW;
-    return launch_overlapped(kernel, blocks, 32 * NW, smem, stream, dev, p, kc, dv);
+    dv.planned = plan.planned;
+    return launch_overlapped(kernel, rowwise_ctas(p, NW * RW), 32 * NW, smem, stream, dev, p, kc, dv);
 }
 
-// The short fp32 kernel on tensor cores (head_dim up to 32: at 40 and 64 it measured slower than
-// the row-wise kernel, NOTES v22).
 template <int DP>
 cudaError_t launch_short(const GqaParams& p, cudaStream_t stream, int dev) {
     static bool raised[kMaxDevices] = {};
@@ -2205,16 +2344,6 @@ cudaError_t launch_short(const GqaParams& p, cudaStream_t stream, int dev) {
     dv.hkv = FastDiv(p.Hkv);
     dv.group = FastDiv(p.group);
     return launch_overlapped(kernel, rowwise_ctas(p, kShortRows), 32 * kShortWarps, short_smem_bytes<DP>(), stream, dev, p, dv);
-}
-
-// Small grids are latency-bound: one row per warp, 8 warps per CTA, gives the most warps and the
-// shortest chain per warp. Once that grid passes two CTAs per SM the work is throughput-bound:
-// four rows per warp share every key read (a third of the instructions per row), 4 warps per CTA.
-// Measured (NOTES v20): (2, 80, 8, 2, 32) 4.00 against 4.58 us, (4, 128, 32, 8, 64) 26.8 against 38.0.
-template <typename Elem>
-cudaError_t launch_rowwise_best(const GqaParams& p, cudaStream_t stream, int dev) {
-    if (rowwise_ctas(p, 8) <= 2 * int64_t(sm_count(dev))) return launch_rowwise<Elem, 8, 1>(p, stream, dev);
-    return launch_rowwise<Elem, 4, 4>(p, stream, dev);
 }
 
 template <int kDtype, int DP, int KW, bool kWg = false>
@@ -2235,63 +2364,23 @@ cudaError_t launch(const GqaParams& p, cudaStream_t stream, int dev) {
     return cudaGetLastError();
 }
 
-// Built for sm_90a alone (the build then defines GQA_SM90A), 16-bit inputs at head_dim 64 and 128
-// with 16-byte-aligned rows take the wgmma variant; other rows keep the mma.sync one.
-#ifdef GQA_SM90A
-constexpr bool kHaveWgmma = true;
-#else
-constexpr bool kHaveWgmma = false;
-#endif
-
-// CTAs of 64 packed rows (every variant but the 16-bit mma.sync one): the grid of the long
-// variants, of the x3 kernel and of its redo flags.
-int64_t tiles_of_64_rows(const GqaParams& p) { return (int64_t(p.T) * p.group + 63) / 64 * p.B * p.Hkv; }
-
-// Long sequences walk the keys with 4 row warps; in fp32, when that leaves the GPU with less than
-// one CTA per SM, the key-split variant trades rows per CTA for 8x shorter key walks.
+// The tiled mma.sync kernel, whole CTAs (split 1) or key-split (split 8, fp32 up to width 128).
 template <int kDtype, int DP>
-cudaError_t launch_best(const GqaParams& p, cudaStream_t stream, int dev) {
-    if constexpr (kHaveWgmma && kDtype != kGqaFloat32 && (DP == 64 || DP == 128)) {
-        if (p.vec16) return launch<kDtype, DP, 1, true>(p, stream, dev);
-        return launch<kDtype, DP, 1>(p, stream, dev);
-    } else {
-        if constexpr (DP <= 128 && kDtype == kGqaFloat32) {
-            if (tiles_of_64_rows(p) < sm_count(dev)) return launch<kDtype, DP, 8>(p, stream, dev);
-        }
-        return launch<kDtype, DP, 1>(p, stream, dev);
+cudaError_t launch_tiled(const GqaParams& p, int split, cudaStream_t stream, int dev) {
+    if constexpr (DP <= 128 && kDtype == kGqaFloat32) {
+        if (split == 8) return launch<kDtype, DP, 8>(p, stream, dev);
     }
+    return launch<kDtype, DP, 1>(p, stream, dev);
 }
-
-// Short sequences, and head dims too small to feed a tensor-core tile, take the row-wise kernel.
-constexpr int kRowwiseMaxT = 128;
-constexpr int kRowwiseMaxD = 8;
-
-// Short sequences (asked for fp32 only) in 16-byte rows at head_dim 9..32 take the tensor-core
-// kernel while the row-wise kernel's one-row-per-warp grid would be at most two CTAs per SM
-// (latency-bound); larger grids keep the row-wise kernel's four rows per warp.
-bool use_short(const GqaParams& p, int dev) {
-    return p.vec16 && p.T <= kShortMaxT && p.D > kRowwiseMaxD && p.D <= 32 && rowwise_ctas(p, 8) <= 2 * int64_t(sm_count(dev));
-}
-
-// fp32 takes the x3 path (fp32 as three fp16 products, above) on an sm_90a build, at head_dim
-// 33..128 with 16-byte-aligned rows, unless allow_tf32 was set, and when its grid (one CTA per 64
-// packed rows) fills the GPU; smaller grids keep the key-split 3xTF32 kernel.
-bool use_x3(const GqaParams& p, int dev) {
-    if (!kHaveWgmma || p.dtype != kGqaFloat32 || p.tf32_single || !p.vec16) return false;
-    if (p.T <= kRowwiseMaxT || p.D <= 32 || p.D > 128 || int64_t(p.B) * p.Hkv > 65535) return false;
-    return tiles_of_64_rows(p) >= sm_count(dev);
-}
-int x3_width(const GqaParams& p) { return p.D <= 64 ? 64 : 128; }
 
 // Scan and split K and V, run the x3 attention kernel, then the 3xTF32 kernel for the CTAs that
 // met Inf or NaN (the others return at once).
 template <int DP>
 cudaError_t launch_x3(const GqaParams& p, cudaStream_t stream, int dev) {
     const X3Work w = x3_work(p, DP);
-    const int bh_count = p.B * p.Hkv;
-    cudaError_t err = cudaMemsetAsync(w.absmax, 0, sizeof(uint32_t) * 3 * size_t(bh_count), stream);
+    cudaError_t err = cudaMemsetAsync(w.absmax_k, 0, x3_stats_bytes(p, DP), stream);
     if (err != cudaSuccess) return err;
-    const dim3 grid(unsigned((p.T + kX3Rows - 1) / kX3Rows), unsigned(bh_count), 2);
+    const dim3 grid(unsigned((p.T + kX3Rows - 1) / kX3Rows), unsigned(p.B * p.Hkv), 2);
     x3_absmax_kernel<DP><<<grid, kX3Threads, 0, stream>>>(p);
     x3_split_kernel<DP><<<grid, kX3Threads, 0, stream>>>(p);
     err = launch<kGqaFloat32, DP, 1, true>(p, stream, dev);
@@ -2301,50 +2390,115 @@ cudaError_t launch_x3(const GqaParams& p, cudaStream_t stream, int dev) {
     return launch<kGqaFloat32, DP, 1>(redo, stream, dev);
 }
 
-// The single dispatch: dtype, sequence length and head_dim pick the kernel and its compiled width.
+// The single dispatch: the plan's family and width become template parameters here.
 template <int kDtype>
-cudaError_t dispatch(const GqaParams& p, cudaStream_t stream) {
-    int dev = 0;
-    const cudaError_t err = cudaGetDevice(&dev);
-    if (err != cudaSuccess) return err;
-    if (p.T <= kRowwiseMaxT || p.D <= kRowwiseMaxD) {
-        if constexpr (kDtype == kGqaFloat32) {
-            if (use_short(p, dev)) return launch_short<32>(p, stream, dev);
-        }
-        return launch_rowwise_best<ElemOf<kDtype>>(p, stream, dev);
+cudaError_t launch_plan(const GqaParams& p, const GqaPlan& plan, cudaStream_t stream, int dev) {
+    using Elem = ElemOf<kDtype>;
+    switch (plan.family) {
+        case kGqaRowwise:
+            return plan.warps == 8 ? launch_rowwise<Elem, 8, 1>(p, plan, stream, dev)
+                                   : launch_rowwise<Elem, 4, 4>(p, plan, stream, dev);
+        case kGqaShort:
+            if constexpr (kDtype == kGqaFloat32) return launch_short<32>(p, stream, dev);
+            break;
+        case kGqaX3:
+            if constexpr (kHaveWgmma && kDtype == kGqaFloat32) {
+                if (p.workspace == nullptr) return cudaErrorInvalidValue;
+                return plan.width == 64 ? launch_x3<64>(p, stream, dev) : launch_x3<128>(p, stream, dev);
+            }
+            break;
+        case kGqaWgmma:
+            if constexpr (kHaveWgmma && kDtype != kGqaFloat32) {
+                return plan.width == 64 ? launch<kDtype, 64, 1, true>(p, stream, dev)
+                                        : launch<kDtype, 128, 1, true>(p, stream, dev);
+            }
+            break;
+        case kGqaTiled:
+            switch (plan.width) {
+                case 32: return launch_tiled<kDtype, 32>(p, plan.split, stream, dev);
+                case 64: return launch_tiled<kDtype, 64>(p, plan.split, stream, dev);
+                case 128: return launch_tiled<kDtype, 128>(p, plan.split, stream, dev);
+                case 256: return launch_tiled<kDtype, 256>(p, plan.split, stream, dev);
+                default: break;
+            }
+            break;
+        default: break;
     }
-    if constexpr (kHaveWgmma && kDtype == kGqaFloat32) {
-        if (p.workspace != nullptr && use_x3(p, dev)) {
-            return x3_width(p) == 64 ? launch_x3<64>(p, stream, dev) : launch_x3<128>(p, stream, dev);
-        }
-    }
-    if (p.D <= 32) return launch_best<kDtype, 32>(p, stream, dev);
-    if (p.D <= 64) return launch_best<kDtype, 64>(p, stream, dev);
-    if (p.D <= 128) return launch_best<kDtype, 128>(p, stream, dev);
-    if (p.D <= 256) return launch_best<kDtype, 256>(p, stream, dev);
     return cudaErrorInvalidValue;
+}
+
+// Every plan make_plan can return on this build, for coverage checks.
+std::vector<GqaPlan> every_plan() {
+    std::vector<GqaPlan> plans;
+    auto add = [&](int family, int dtype, int width, int warps, int split, bool planned) {
+        GqaPlan plan{};
+        plan.family = family, plan.dtype = dtype, plan.width = width, plan.warps = warps, plan.split = split;
+        plan.planned = planned;
+        plans.push_back(plan);
+    };
+    for (int dtype : {kGqaFloat32, kGqaFloat16, kGqaBFloat16}) {
+        const bool fp32 = dtype == kGqaFloat32;
+        add(kGqaRowwise, dtype, 0, 8, 1, false);
+        if (fp32) add(kGqaRowwise, dtype, 0, 8, 1, true);
+        add(kGqaRowwise, dtype, 0, 4, 4, false);
+        if (fp32) add(kGqaShort, dtype, 32, kShortWarps, 1, false);
+        for (int width : {32, 64, 128, 256}) {
+            add(kGqaTiled, dtype, width, 4, 1, false);
+            if (fp32 && width <= 128) add(kGqaTiled, dtype, width, 8, 8, false);
+        }
+        if (kHaveWgmma) {
+            for (int width : {64, 128}) add(fp32 ? kGqaX3 : kGqaWgmma, dtype, width, 4, 1, false);
+        }
+    }
+    return plans;
 }
 
 }  // namespace
 
-int gqa_forward(const GqaParams& p, void* stream) {
+int gqa_device_facts(GqaDevice* out) {
+    int dev = 0;
+    const cudaError_t err = cudaGetDevice(&dev);
+    if (err != cudaSuccess) return int(err);
+    out->sm_count = sm_count(dev);
+    out->cc_major = cc_major(dev);
+    return 0;
+}
+
+GqaPlan gqa_make_plan(const GqaParams& p, const GqaDevice& dev) { return make_plan(p, dev); }
+
+int gqa_plan_count() { return int(every_plan().size()); }
+GqaPlan gqa_plan_at(int i) { return every_plan().at(size_t(i)); }
+
+int gqa_forward(const GqaParams& p, const GqaPlan& plan, void* stream) {
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
-    switch (p.dtype) {
-        case kGqaFloat32: return int(dispatch<kGqaFloat32>(p, s));
-        case kGqaFloat16: return int(dispatch<kGqaFloat16>(p, s));
-        case kGqaBFloat16: return int(dispatch<kGqaBFloat16>(p, s));
+    int dev = 0;
+    const cudaError_t err = cudaGetDevice(&dev);
+    if (err != cudaSuccess) return int(err);
+    switch (plan.dtype) {
+        case kGqaFloat32: return int(launch_plan<kGqaFloat32>(p, plan, s, dev));
+        case kGqaFloat16: return int(launch_plan<kGqaFloat16>(p, plan, s, dev));
+        case kGqaBFloat16: return int(launch_plan<kGqaBFloat16>(p, plan, s, dev));
         default: return int(cudaErrorInvalidValue);
     }
 }
 
-int64_t gqa_workspace_bytes(const GqaParams& p) {
-    int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || !use_x3(p, dev)) return 0;
-    const int64_t blocks = tiles_of_64_rows(p);
-    return x3_kv_elems(p, x3_width(p)) * int64_t(sizeof(Half16)) + int64_t(sizeof(uint32_t)) * 3 * p.B * p.Hkv + blocks;
+int64_t gqa_workspace_bytes(const GqaParams& p, const GqaPlan& plan) {
+    if (plan.family != kGqaX3) return 0;
+    return x3_kv_elems(p, plan.width) * int64_t(sizeof(Half16)) + x3_stats_bytes(p, plan.width) + tiles_of_64_rows(p);
 }
 
 int gqa_empty_launch(void* /*out*/, void* stream) {
     gqa_empty_kernel<<<1, 32, 0, static_cast<cudaStream_t>(stream)>>>();
     return int(cudaGetLastError());
+}
+
+int gqa_read_floor(const GqaParams& p, void* stream) {
+    const int64_t items = p.B * int64_t(p.T) * (int64_t(p.Hq) + 2 * p.Hkv) * p.D;
+    const int64_t blocks = std::min<int64_t>((items + 4 * 256 - 1) / (4 * 256), 1 << 20);
+    int dev = 0;
+    const cudaError_t err = cudaGetDevice(&dev);
+    if (err != cudaSuccess) return int(err);
+    if (p.dtype == kGqaFloat32)
+        return int(launch_overlapped(gqa_read_floor_kernel<float>, blocks, 256, 0, static_cast<cudaStream_t>(stream), dev, p));
+    return int(launch_overlapped(gqa_read_floor_kernel<Half16>, blocks, 256, 0, static_cast<cudaStream_t>(stream), dev, p));
 }

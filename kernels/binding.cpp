@@ -16,6 +16,7 @@
 
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "gqa_params.h"
 
@@ -83,43 +84,122 @@ bool rows_16b_aligned(const at::Tensor& t) {
            (t.stride(1) * elem) % 16 == 0 && (t.stride(2) * elem) % 16 == 0;
 }
 
-at::Tensor causal_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in) {
-    check_inputs(q_in, k_in, v_in);
-    const c10::cuda::CUDAGuard device_guard(q_in.device());
-    const at::Tensor q = with_unit_last_stride(q_in);
-    const at::Tensor k = with_unit_last_stride(k_in);
-    const at::Tensor v = with_unit_last_stride(v_in);
-
-    const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = k.size(2);
-    at::Tensor out = at::empty({B, T, Hq, D}, q.options());
-    if (out.numel() == 0) return out;
-
+// The params of a call (out may be undefined: plan() runs nothing). The inputs' last dims are
+// contiguous (with_unit_last_stride).
+GqaParams params_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out) {
     GqaParams p{};
     p.q = q.data_ptr();
     p.k = k.data_ptr();
     p.v = v.data_ptr();
-    p.o = out.data_ptr();
+    p.o = out.defined() ? out.data_ptr() : nullptr;
     p.q_stride_b = q.stride(0), p.q_stride_t = q.stride(1), p.q_stride_h = q.stride(2);
     p.k_stride_b = k.stride(0), p.k_stride_t = k.stride(1), p.k_stride_h = k.stride(2);
     p.v_stride_b = v.stride(0), p.v_stride_t = v.stride(1), p.v_stride_h = v.stride(2);
-    p.o_stride_b = out.stride(0), p.o_stride_t = out.stride(1), p.o_stride_h = out.stride(2);
-    p.B = int(B), p.T = int(T), p.Hq = int(Hq), p.Hkv = int(Hkv), p.D = int(D);
-    p.group = int(Hq / Hkv);
-    p.scale_log2 = float(1.4426950408889634 / std::sqrt(double(D)));
+    if (out.defined()) p.o_stride_b = out.stride(0), p.o_stride_t = out.stride(1), p.o_stride_h = out.stride(2);
+    p.B = int(q.size(0)), p.T = int(q.size(1)), p.Hq = int(q.size(2)), p.Hkv = int(k.size(2)), p.D = int(q.size(3));
+    p.group = p.Hkv > 0 ? p.Hq / p.Hkv : 1;
+    p.scale_log2 = float(1.4426950408889634 / std::sqrt(double(p.D)));
     p.dtype = dtype_code(q.scalar_type());
     p.tf32_single = q.scalar_type() == c10::ScalarType::Float && at::globalContext().allowTF32CuBLAS();
     p.vec16 = rows_16b_aligned(q) && rows_16b_aligned(k) && rows_16b_aligned(v);
+    return p;
+}
 
+GqaDevice current_device() {
+    GqaDevice dev{};
+    const int err = gqa_device_facts(&dev);
+    TORCH_CHECK(err == 0, "causal_gqa_attention: cannot read the device: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
+    return dev;
+}
+
+const char* dtype_name(int dtype) {
+    return dtype == kGqaFloat32 ? "fp32" : dtype == kGqaFloat16 ? "fp16" : "bf16";
+}
+
+// "family/dtype/shape", e.g. "rowwise/fp32/8x1-planned", "tiled/fp32/d64-split8", "x3/fp32/d128".
+std::string plan_name(const GqaPlan& plan) {
+    static const char* const families[] = {"rowwise", "short", "tiled", "wgmma", "x3"};
+    std::string s = std::string(families[plan.family]) + "/" + dtype_name(plan.dtype) + "/";
+    if (plan.family == kGqaRowwise) {
+        s += num(plan.warps) + "x" + num(plan.split) + (plan.planned ? "-planned" : "");
+    } else {
+        s += "d" + num(plan.width) + (plan.split > 1 ? "-split" + num(plan.split) : "");
+    }
+    return s;
+}
+
+// The inputs as the kernels take them: checked, each last dim contiguous (copied once otherwise).
+struct KernelInputs {
+    at::Tensor q, k, v;
+};
+KernelInputs kernel_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    check_inputs(q, k, v);
+    return {with_unit_last_stride(q), with_unit_last_stride(k), with_unit_last_stride(v)};
+}
+
+at::Tensor causal_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in) {
+    const KernelInputs in = kernel_inputs(q_in, k_in, v_in);
+    const at::Tensor &q = in.q, &k = in.k, &v = in.v;
+    const c10::cuda::CUDAGuard device_guard(q.device());
+    at::Tensor out = at::empty(q.sizes(), q.options());
+    if (out.numel() == 0) return out;
+
+    GqaParams p = params_of(q, k, v, out);
+    const GqaPlan plan = gqa_make_plan(p, current_device());
     // Scratch lives until the end of this call; the caching allocator orders its reuse on the stream.
-    const int64_t scratch_bytes = gqa_workspace_bytes(p);
+    const int64_t scratch_bytes = gqa_workspace_bytes(p, plan);
     at::Tensor scratch;
     if (scratch_bytes > 0) {
         scratch = at::empty({scratch_bytes}, q.options().dtype(c10::ScalarType::Byte));
         p.workspace = scratch.data_ptr();
     }
-    const int err = gqa_forward(p, c10::cuda::getCurrentCUDAStream().stream());
-    TORCH_CHECK(err == 0, "causal_gqa_attention: kernel launch failed: ",
+    const int err = gqa_forward(p, plan, c10::cuda::getCurrentCUDAStream().stream());
+    TORCH_CHECK(err == 0, "causal_gqa_attention: kernel launch failed (", plan_name(plan), "): ",
                 cudaGetErrorString(static_cast<cudaError_t>(err)));
+    return out;
+}
+
+// The plan a call with these inputs takes on their device, without running it.
+std::string plan_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in) {
+    const KernelInputs in = kernel_inputs(q_in, k_in, v_in);
+    const c10::cuda::CUDAGuard device_guard(in.q.device());
+    TORCH_CHECK_VALUE(in.q.numel() > 0, "causal_gqa_attention: empty inputs run no kernel, so they have no plan");
+    return plan_name(gqa_make_plan(params_of(in.q, in.k, in.v, at::Tensor()), current_device()));
+}
+
+// The plan for a shape on a described device, with no tensors and no GPU (this build's kernels).
+std::string plan_for(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, c10::ScalarType dtype,
+                     bool aligned, bool allow_tf32, int64_t sm_count, int64_t cc_major) {
+    GQA_CHECK_ARG(B >= 1 && T >= 1 && Hkv >= 1 && Hq >= 1, "plan_for needs B, T, Hq and Hkv of at least 1");
+    GQA_CHECK_ARG(Hq % Hkv == 0, "q's head count Hq (", num(Hq), ") must be a multiple of Hkv (", num(Hkv), ")");
+    GQA_CHECK_ARG(D >= 1 && D <= kGqaMaxHeadDim, "head_dim D must be in 1..", num(kGqaMaxHeadDim), ", got ", num(D));
+    GQA_CHECK_ARG(dtype_code(dtype) >= 0, "unsupported dtype ", c10::toString(dtype), ": expected float32, float16 or bfloat16");
+    GQA_CHECK_ARG(sm_count >= 1, "sm_count must be at least 1, got ", num(sm_count));
+    GqaParams p{};
+    p.B = int(B), p.T = int(T), p.Hq = int(Hq), p.Hkv = int(Hkv), p.D = int(D), p.group = int(Hq / Hkv);
+    p.dtype = dtype_code(dtype);
+    p.tf32_single = dtype == c10::ScalarType::Float && allow_tf32;
+    p.vec16 = aligned && (D * int64_t(c10::elementSize(dtype))) % 16 == 0;
+    GqaDevice dev{};
+    dev.sm_count = int(sm_count), dev.cc_major = int(cc_major);
+    return plan_name(gqa_make_plan(p, dev));
+}
+
+std::vector<std::string> all_plans() {
+    std::vector<std::string> names;
+    for (int i = 0; i < gqa_plan_count(); ++i) names.push_back(plan_name(gqa_plan_at(i)));
+    return names;
+}
+
+// The read floor for benchmarks: allocate o, read q, k and v once, write o = q.
+at::Tensor read_floor_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in) {
+    check_inputs(q_in, k_in, v_in);
+    const c10::cuda::CUDAGuard device_guard(q_in.device());
+    const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+    at::Tensor out = at::empty(q.sizes(), q.options());
+    if (out.numel() == 0) return out;
+    const int err = gqa_read_floor(params_of(q, k, v, out), c10::cuda::getCurrentCUDAStream().stream());
+    TORCH_CHECK(err == 0, "read_floor: launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
     return out;
 }
 
@@ -149,11 +229,18 @@ at::Tensor causal_attention_autograd(const at::Tensor& q, const at::Tensor& k, c
 TORCH_LIBRARY(gqa_attn, m) {
     m.def("causal_attention(Tensor q, Tensor k, Tensor v) -> Tensor");
     m.def("empty_call(Tensor q, Tensor k, Tensor v) -> Tensor");
+    m.def("read_floor(Tensor q, Tensor k, Tensor v) -> Tensor");
+    m.def("plan(Tensor q, Tensor k, Tensor v) -> str");
+    m.def("plan_for(int B, int T, int Hq, int Hkv, int D, ScalarType dtype, bool aligned, bool allow_tf32, "
+          "int sm_count, int cc_major) -> str", &plan_for);
+    m.def("all_plans() -> str[]", &all_plans);
 }
 
 TORCH_LIBRARY_IMPL(gqa_attn, CUDA, m) {
     m.impl("causal_attention", &causal_attention_cuda);
     m.impl("empty_call", &empty_call_cuda);
+    m.impl("read_floor", &read_floor_cuda);
+    m.impl("plan", &plan_cuda);
 }
 
 TORCH_LIBRARY_IMPL(gqa_attn, Autograd, m) { m.impl("causal_attention", &causal_attention_autograd); }

@@ -25,18 +25,45 @@ struct GqaParams {
     bool tf32_single;   // one TF32 product instead of three (allow_tf32 was set)
     bool vec16;         // every row start is 16-byte aligned: copy 16 bytes at a time
 
-    // Scratch for the fp32 path on sm_90a: gqa_workspace_bytes(params) bytes, 256-byte aligned,
+    // Scratch for the fp32 path on sm_90a: gqa_workspace_bytes(params, plan) bytes, 256-byte aligned,
     // allocated by the caller on the launch stream when that is not 0, else null.
     void* workspace;
     // Set by the dispatcher only: CTAs of the fp32 tiled kernel to run (1) or skip (0); null = all.
     const uint8_t* redo;
 };
 
-// Both return a cudaError_t as int (0 on success); `stream` is a cudaStream_t.
-int gqa_forward(const GqaParams& params, void* stream);
+// The device facts a plan depends on.
+struct GqaDevice {
+    int sm_count;
+    int cc_major;
+};
+
+// Kernel families (attention.cu describes when each is taken).
+enum GqaFamily : int { kGqaRowwise = 0, kGqaShort = 1, kGqaTiled = 2, kGqaWgmma = 3, kGqaX3 = 4 };
+
+// Which kernel a call runs, decided once per call by gqa_make_plan and read by the workspace
+// sizing, the launch and plan().
+struct GqaPlan {
+    int family;    // GqaFamily
+    int dtype;     // GqaDtype
+    int width;     // compiled head_dim width (row-wise: 0, any head_dim)
+    int warps;     // warps per CTA
+    int split;     // row-wise: rows per warp; tiled: warps that split each K/V tile; else 1
+    bool planned;  // row-wise: every copy addressed before the wait for the previous grid
+};
+
+// The ints below are cudaError_t values (0 on success); `stream` is a cudaStream_t.
+int gqa_device_facts(GqaDevice* out);   // of the current device
+GqaPlan gqa_make_plan(const GqaParams& params, const GqaDevice& device);
+// Every plan gqa_make_plan can return on this build, numbered 0..gqa_plan_count() - 1.
+int gqa_plan_count();
+GqaPlan gqa_plan_at(int index);
+// Bytes of scratch the plan needs (0: none).
+int64_t gqa_workspace_bytes(const GqaParams& params, const GqaPlan& plan);
+int gqa_forward(const GqaParams& params, const GqaPlan& plan, void* stream);
 int gqa_empty_launch(void* out, void* stream);
-// Bytes of scratch gqa_forward needs for these params on the current device (0: none).
-int64_t gqa_workspace_bytes(const GqaParams& params);
+// Reads q, k and v once and writes o = q: the memory floor of a call, for benchmarks.
+int gqa_read_floor(const GqaParams& params, void* stream);
 
 // Largest supported head_dim.
 constexpr int kGqaMaxHeadDim = 256;
