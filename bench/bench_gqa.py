@@ -1006,6 +1006,7 @@ def parse_args(argv=None):
     p.add_argument("--no-compile-time", action="store_true", help="skip the cold/warm build measurement")
     p.add_argument("--only", type=str, default=None, help="comma-separated implementation names to run")
     p.add_argument("--sweep-fp16", action="store_true", help="also run the T sweep in float16 (adds ~1-2 min)")
+    p.add_argument("--no-sweep", action="store_true", help="the harness and scale shapes only, no T sweep (about half the time)")
     args = p.parse_args(argv)
     if args.only:
         names = [s.strip() for s in args.only.split(",") if s.strip()]
@@ -1030,7 +1031,7 @@ def build_plan(args):
     for shape, dtypes in QUICK_CONFIGS if args.quick else SCALE_CONFIGS:
         for d in dtypes:
             add(shape, d)
-    if not args.quick:
+    if not args.quick and not args.no_sweep:
         dtypes = SWEEP_DTYPES + (("float16",) if args.sweep_fp16 else ())
         for d in dtypes:
             shapes = []
