@@ -1305,7 +1305,6 @@ def test_gpu_opcheck():
 # compute-sanitizer coverage (bench/sanitize.py): its case list on the CPU, and its committed results
 SANITIZER_TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 SANITIZER_RESULTS = os.path.join(HERE, "bench", "results", "sanitizer.json")
-SANITIZER_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def _load_sanitize():
@@ -1318,7 +1317,7 @@ def test_sanitizer_cases_take_their_plans_and_cover_every_plan():
     sanitize = _load_sanitize()
     wrong = []
     for plan, B, T, Hq, Hkv, D, dtype, aligned, allow_tf32 in sanitize.CASES:
-        got = gqa_module.plan_for(B, T, Hq, Hkv, D, dtype=SANITIZER_DTYPES[dtype], aligned=aligned,
+        got = gqa_module.plan_for(B, T, Hq, Hkv, D, dtype=DTYPES[dtype], aligned=aligned,
                                   allow_tf32=allow_tf32)
         if got != plan:
             wrong.append(((B, T, Hq, Hkv, D, dtype, aligned, allow_tf32), plan, got))

@@ -50,9 +50,11 @@ IMPL_NAMES = (
     "empty_call",
     "read_floor",
 )
-# Implementations that are not peers when picking the best competitor. read_floor reads q, k and
-# v once and writes o (no arithmetic): the memory floor of any implementation.
-NON_PEERS = ("project", "empty_call", "read_floor", "reference_loops")
+# The floors, not attention and not checked: empty_call allocates o and launches an empty kernel;
+# read_floor reads q, k and v once and writes o (no arithmetic), the memory floor of any implementation.
+FLOORS = ("read_floor", "empty_call")
+# Implementations that are not peers when picking the best competitor.
+NON_PEERS = ("project",) + FLOORS + ("reference_loops",)
 # Implementations run at the harness shape only.
 HARNESS_ONLY = ("reference_loops", "read_floor")
 MODES = ("harness", "back_to_back", "graph")
@@ -372,7 +374,7 @@ class Bench:
         torch = self.torch
         F = torch.nn.functional
         null = contextlib.nullcontext
-        if name in ("project", "empty_call", "read_floor"):
+        if name == "project" or name in FLOORS:
             if self.gqa_module is None:
                 raise RuntimeError(f"gqa_module not importable ({self.import_errors.get('gqa_module')})")
             if name != "project":
@@ -689,7 +691,7 @@ class Bench:
                 torch.cuda.synchronize()
             except Exception as e:
                 return None, format_error(e) + _warning_hints(caught)
-        if name in ("empty_call", "read_floor"):  # the floors: their outputs are not attention
+        if name in FLOORS:  # their outputs are not attention
             del out
             return None, None
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(args[0].shape):
@@ -848,12 +850,12 @@ def render_md(result: dict, means: dict, info: dict, brief: bool = False) -> str
         g = groups.get((HARNESS_SHAPE, "float32", mode))
         if not g:
             continue
-        ms = {r["impl"]: r["ms"] for r in g if r["impl"] in ("project", "read_floor", "empty_call") and r["ms"]}
+        ms = {r["impl"]: r["ms"] for r in g if (r["impl"] == "project" or r["impl"] in FLOORS) and r["ms"]}
         if "project" not in ms:
             lines.append(f"- {mode}: n/a (the project has no timing)")
             continue
         parts = [f"project {_fmt_ms(ms['project'])} ms"]
-        for floor in ("read_floor", "empty_call"):
+        for floor in FLOORS:
             if floor in ms:
                 parts.append(f"{floor} {_fmt_ms(ms[floor])} ms (project = **{ms['project'] / ms[floor]:.2f}×**)")
         lines.append(f"- {mode}: " + ", ".join(parts))
@@ -882,7 +884,7 @@ def render_md(result: dict, means: dict, info: dict, brief: bool = False) -> str
             impls_here = []
             for s in present:
                 for r in groups[(tuple(s), dtype_name, "back_to_back")]:
-                    if r["impl"] not in impls_here and r["impl"] not in ("empty_call", "read_floor"):
+                    if r["impl"] not in impls_here and r["impl"] not in FLOORS:
                         impls_here.append(r["impl"])
             for impl in impls_here:
                 cells = []
