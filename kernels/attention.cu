@@ -437,10 +437,13 @@ __host__ __device__ inline X3Work x3_work(const GqaParams& p, int DP) {
     w.redo = reinterpret_cast<uint8_t*>(w.bad + p.B * p.Hkv);
     return w;
 }
-// The group's e from its largest finite |x| (0 for an all-zero group).
+// The group's e from its largest finite |x| (0 for an all-zero group), branch-free (ilogbf's
+// branches kept the epilogue's 32 reads of channel maxima from being issued together): the
+// exponent field of a normal value, the top set bit of a subnormal one (value = bits * 2^-149).
 __device__ __forceinline__ int x3_exponent(uint32_t absmax_bits) {
-    const float m = __uint_as_float(absmax_bits);
-    return m > 0.f ? kX3Top - ilogbf(m) : 0;
+    const int biased = int(absmax_bits >> 23);
+    const int ilogb = biased > 0 ? biased - 127 : -118 - __clz(int(absmax_bits));
+    return absmax_bits != 0u ? kX3Top - ilogb : 0;
 }
 __device__ __forceinline__ float pow2_exact(int e) { return __int_as_float((e + 127) << 23); }   // e in -126..127
 // x * 2^e for |e| <= 252, as two exact power-of-two factors.
