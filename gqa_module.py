@@ -1,4 +1,4 @@
-"""Causal grouped-query attention for PyTorch: a drop-in ``ModelNew`` backed by one CUDA kernel.
+"""Causal grouped-query attention for PyTorch: a drop-in ``ModelNew`` backed by a JIT-built CUDA library.
 
 Semantics
 ---------
@@ -20,7 +20,7 @@ The output is ``[B, T, Hq, D]``, contiguous, in q's dtype. CUDA inputs run the k
 """
 
 import ast
-import fcntl
+import ctypes
 import hashlib
 import os
 import sys
@@ -36,12 +36,7 @@ import torch.nn.functional as F   # the PyTorch path only; the bundle is for CUD
 # The bundle written by `python gqa_module.py --bundle OUT.py` sets this to {path: source text}, so
 # that it reads no files at run time; this module reads kernels/ from disk instead.
 _EMBEDDED_SOURCES = None
-_HEADER = "gqa_params.h"
-_CPP_FILE = "binding.cpp"
-_CUDA_FILE = "attention.cu"
 _LIBRARY = "gqa_attn"
-MAX_HEAD_DIM = 256
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -68,13 +63,27 @@ def kernel_source_sha256():
     return digest.hexdigest()
 
 
-def _inline_header(source, header):
-    """The translation unit with the shared params header pasted where it is included."""
-    return source.replace('#include "%s"' % _HEADER, header)
+def _translation_unit(files, path, seen=None):
+    """kernels/`path` with every `#include "X"` of a file under kernels/ pasted in place, each file
+    once (what load_inline compiles: one source text, no include path)."""
+    seen = set() if seen is None else seen
+    seen.add(path)
+    out = []
+    for line in files[path].decode().splitlines(keepends=True):
+        stripped = line.strip()
+        if stripped.startswith('#include "') and stripped.endswith('"'):
+            included = stripped[len('#include "'):-1]
+            if included not in files:
+                raise ValueError("kernels/%s includes %s, which is not under kernels/" % (path, included))
+            if included not in seen:
+                out.append(_translation_unit(files, included, seen))
+            continue
+        out.append(line)
+    return "".join(out)
 
 
 # ------------------------------------------------------------------------------------------------
-# Finding the toolkit and the target
+# Finding the toolkit and the targets
 def _cuda_home():
     """A CUDA toolkit root that has both nvcc and the runtime headers.
 
@@ -97,26 +106,83 @@ def _cuda_home():
         "nvidia-cuda-nvcc package, and set CUDA_HOME to its root." % ([c for c in candidates if c], torch.version.cuda))
 
 
-def _arch_flags():
-    """nvcc target flags: TORCH_CUDA_ARCH_LIST when set (torch applies it), else the GPU present,
-    else sm_90a, the project's main target, so a machine without a GPU can still build. An sm_90
-    GPU gets sm_90a (wgmma); a build for sm_90a alone defines GQA_SM90A, which enables that path."""
-    wanted = os.environ.get("TORCH_CUDA_ARCH_LIST")
-    if wanted:
-        gencode, tag = [], "_".join(a.replace(".", "") for a in wanted.replace(";", " ").split())
-    else:
-        if torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability()
-            tag = "%d%d" % (major, minor) + ("a" if (major, minor) == (9, 0) else "")
-        else:
-            tag = "90a"
-        gencode = ["-gencode=arch=compute_%s,code=sm_%s" % (tag, tag)]
-    return gencode + (["-DGQA_SM90A"] if tag == "90a" else []), tag
+def _use_cuda_home(home):
+    """Point torch's build at `home`: through CUDA_HOME in the environment when torch reads it at
+    import, else on cpp_extension itself (torch has no public setter once it is imported)."""
+    os.environ["CUDA_HOME"] = home
+    from torch.utils import cpp_extension
+
+    if cpp_extension.CUDA_HOME != home:
+        cpp_extension.CUDA_HOME = home
+
+
+# TORCH_CUDA_ARCH_LIST's family names, as torch expands them (torch has no public parser).
+_NAMED_ARCHES = {"Kepler+Tesla": "3.7", "Kepler": "3.5+PTX", "Maxwell+Tegra": "5.3", "Maxwell": "5.0;5.2+PTX",
+                 "Pascal": "6.0;6.1+PTX", "Volta+Tegra": "7.2", "Volta": "7.0+PTX", "Turing": "7.5+PTX",
+                 "Ampere+Tegra": "8.7", "Ampere": "8.0;8.6+PTX", "Ada": "8.9+PTX", "Hopper": "9.0+PTX",
+                 "Blackwell+Tegra": "11.0", "Blackwell": "10.0;10.3;12.0;12.1+PTX"}
+
+
+def _parse_arch_list(text):
+    """TORCH_CUDA_ARCH_LIST as [(arch, ptx)], e.g. "Hopper" -> [("90", True)], "9.0a" -> [("90a", False)]."""
+    for name, arches in _NAMED_ARCHES.items():
+        text = text.replace(name, arches)
+    targets = []
+    for item in text.replace(";", " ").split():
+        ptx = item.endswith("+PTX")
+        arch = item[:-len("+PTX")] if ptx else item
+        major, _, minor = arch.partition(".")
+        if not (major.isdigit() and minor[:1].isdigit() and minor[1:] in ("", "a", "f")):
+            raise ValueError("gqa_module: TORCH_CUDA_ARCH_LIST has %r, which is not an architecture like 9.0, "
+                             "9.0a, 8.9+PTX or a family name (%s)" % (item, ", ".join(_NAMED_ARCHES)))
+        targets.append((major + minor, ptx))
+    return targets
+
+
+def _targets():
+    """(gencode flags of the libraries, whether the sm_90a libraries are built, a tag for names).
+
+    TORCH_CUDA_ARCH_LIST unset: the GPU present (an sm_90 GPU gets sm_90a), or sm_90a without a GPU.
+    Set: its targets as torch would build them; where they give the GPU present (or, with none,
+    any) compute capability 9.0 its own code, the wgmma and x3 libraries are built for sm_90a too,
+    as FlashAttention-3 does. A list that leaves an sm_90 GPU to PTX says once that those are off."""
+    wanted = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    gpu = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    if not wanted:
+        arch = "90a" if gpu in (None, (9, 0)) else "%d%d" % gpu
+        return ["-gencode=arch=compute_%s,code=sm_%s" % (arch, arch)], arch == "90a", arch
+    targets = _parse_arch_list(wanted)
+    flags = []
+    for arch, ptx in targets:
+        flags.append("-gencode=arch=compute_%s,code=sm_%s" % (arch, arch))
+        if ptx:
+            flags.append("-gencode=arch=compute_%s,code=compute_%s" % (arch, arch))
+    sm90a = gpu in (None, (9, 0)) and any(arch in ("90", "90a") for arch, _ in targets)
+    if gpu == (9, 0) and not sm90a:
+        _say_once("gqa_module: TORCH_CUDA_ARCH_LIST=%r builds no sm_90 code for this %s, so the wgmma "
+                  "paths (fp16/bf16, and fp32 at scale) are off and it runs slower kernels; add 9.0 to "
+                  "the list to turn them on." % (wanted, torch.cuda.get_device_name()))
+    tag = "_".join(arch + ("p" if ptx else "") for arch, ptx in targets)
+    if sm90a and "90a" not in [arch for arch, _ in targets]:
+        tag += "_90a"
+    return flags, sm90a, tag
+
+
+_SAID = set()
+
+
+def _say_once(message):
+    if message not in _SAID:
+        _SAID.add(message)
+        print(message, file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------------------------------------
-# Compile once per process (and once per machine, through torch's extension cache)
-_OPS = None   # torch.ops.gqa_attn once the library is loaded
+# Building and loading. The entry library (binding.cpp and attention.cu: the ops, the plan, the
+# dispatch) loads first; each kernel family (kernels/<family>/<family>.cu, fp32 and 16-bit inputs
+# apart) is a library of its own, built on the first call that needs it: attention.cu asks the
+# loader registered below, through ctypes, for its entry point.
+_OPS = None   # torch.ops.gqa_attn once the entry library is loaded
 
 
 def _build_root():
@@ -148,71 +214,102 @@ def _library_in_process(sha):
     return namespace
 
 
-def load_extension():
-    """Build (first time on this machine) and load the CUDA library; returns torch.ops.gqa_attn.
+def _build(name, what, cpp_source, cuda_source, cuda_flags, done=lambda: False):
+    """load_inline of one library into its own directory under the build root, once per machine;
+    returns the path of the loaded shared library (None when `done()` says, under the lock, that
+    another thread of this process has loaded it meanwhile).
 
-    Once per process: when the library is already loaded (by this module or by any copy of the
-    bundle, whatever its TORCH_EXTENSIONS_DIR), its ops are reused if they were built from the
-    same kernel sources, and a RuntimeError naming both sha256s is raised otherwise.
-
-    An exclusive flock on a file beside the build serialises first calls across threads and
-    processes. The kernel releases a flock when its holder dies, so a killed build never leaves
-    the next caller waiting; torch's own lock file left behind by such a build is removed.
-    """
-    global _OPS
-    if _OPS is not None:
-        return _OPS
-    sha = kernel_source_sha256()
-    if _library_in_process(sha) is not None:
-        _register_fake()
-        _OPS = getattr(torch.ops, _LIBRARY)
-        return _OPS
+    A lock beside the directory (filelock: an OS lock, released when its holder dies) serialises
+    builds of it across threads and processes. torch's own lock file inside it, which a killed
+    build of older torch versions leaves behind, is removed under that lock."""
+    import filelock
     from torch.utils import cpp_extension
 
-    home = _cuda_home()
-    cpp_extension.CUDA_HOME = home
-    arch, arch_tag = _arch_flags()
-    files = _read_kernel_files()
-    header = files[_HEADER].decode()
-    cpp_source = _inline_header(files[_CPP_FILE].decode(), header)
-    cuda_source = _inline_header(files[_CUDA_FILE].decode(), header)
-    name = "%s_%s_sm%s" % (_LIBRARY, sha[:12], arch_tag)
     build_dir = os.path.join(_build_root(), name)
     os.makedirs(build_dir, exist_ok=True)
-
-    with open(build_dir + ".lock", "w") as lock_file:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
-        if _OPS is not None:            # another thread of this process finished first
-            return _OPS
-        if _library_in_process(sha) is not None:   # or a thread running another copy
-            _register_fake()
-            _OPS = getattr(torch.ops, _LIBRARY)
-            return _OPS
+    with filelock.FileLock(build_dir + ".lock"):
+        if done():
+            return None
         stale = os.path.join(build_dir, "lock")
-        if os.path.exists(stale):       # only a dead build can have left it: we hold the flock
+        if os.path.exists(stale):
             os.remove(stale)
         if not os.path.exists(os.path.join(build_dir, name + ".so")):
-            print("gqa_module: compiling the CUDA kernel (first use; cached in %s)" % build_dir,
-                  file=sys.stderr, flush=True)
+            print("gqa_module: compiling %s (first use; cached in %s)" % (what, build_dir), file=sys.stderr, flush=True)
         verbose = os.environ.get("GQA_BUILD_VERBOSE") == "1"
-        cpp_extension.load_inline(
+        return cpp_extension.load_inline(
             name=name,
             cpp_sources=[cpp_source],
             cuda_sources=[cuda_source],
             extra_cflags=["-O2"],
-            extra_cuda_cflags=["-O3", "-std=c++17", "--split-compile=0"] + arch + (["-Xptxas=-v"] if verbose else []),
+            extra_cuda_cflags=["-O3", "-std=c++17", "--split-compile=0"] + cuda_flags + (["-Xptxas=-v"] if verbose else []),
             build_directory=build_dir,
             verbose=verbose,
             with_cuda=True,
             is_python_module=False,
             no_implicit_headers=True,
         )
+
+
+def load_extension():
+    """Build (first time on this machine) and load the entry library; returns torch.ops.gqa_attn.
+
+    Once per process: when the library is already loaded (by this module or by any copy of the
+    bundle, whatever its TORCH_EXTENSIONS_DIR), its ops are reused if they were built from the
+    same kernel sources, and a RuntimeError naming both sha256s is raised otherwise. The kernel
+    families build on first use (load_family)."""
+    global _OPS
+    if _OPS is not None:
+        return _OPS
+    sha = kernel_source_sha256()
+    if _library_in_process(sha) is None:
+        _use_cuda_home(_cuda_home())
+        flags, sm90a, tag = _targets()
+        files = _read_kernel_files()
+        _build("%s_%s_sm%s" % (_LIBRARY, sha[:12], tag), "the entry library",
+               _translation_unit(files, "binding.cpp"), _translation_unit(files, "attention.cu"),
+               flags + (["-DGQA_SM90A"] if sm90a else []), done=lambda: _library_in_process(sha) is not None)
         namespace = getattr(torch.ops, _LIBRARY)
-        namespace._gqa_source_sha256 = sha          # process-wide: every copy checks against it
-        namespace._gqa_build_directory = build_dir
-        _register_fake()
-        _OPS = namespace
+        if not hasattr(namespace, "_gqa_source_sha256"):
+            namespace._gqa_source_sha256 = sha          # process-wide: every copy checks against it
+            namespace._gqa_targets = (flags, sm90a, tag)   # the families build for the same targets
+            namespace._gqa_module_loader = _LOADER_TYPE(_load_family)   # alive as long as the process
+            namespace._set_module_loader(ctypes.cast(namespace._gqa_module_loader, ctypes.c_void_p).value)
+    _register_fake()
+    _OPS = getattr(torch.ops, _LIBRARY)
     return _OPS
+
+
+# What attention.cu calls on a family's first use: (family name, 16-bit inputs, for sm_90a) -> the
+# address of the library's entry point, or None when the build failed (its error is printed).
+_LOADER_TYPE = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int)
+
+
+def _load_family(family, sixteen_bit, sm90a):
+    return load_family(family.decode(), bool(sixteen_bit), bool(sm90a))
+
+
+def load_family(family, sixteen_bit=False, sm90a=False):
+    """Build (first time on this machine) and load the library of one kernel family for fp32
+    (sixteen_bit False) or fp16 and bf16 inputs; returns the address of its entry point."""
+    ops = load_extension()
+    flags, _, tag = ops._gqa_targets
+    if sm90a:
+        flags, tag = ["-gencode=arch=compute_90a,code=sm_90a"], "90a"
+    files = _read_kernel_files()
+    source = "%s/%s.cu" % (family, family)
+    bits = 16 if sixteen_bit else 32
+    path = _build("%s_%s_sm%s_%s%d" % (_LIBRARY, ops._gqa_source_sha256[:12], tag, family, bits),
+                  "the %s kernels for %d-bit inputs" % (family, bits), "// the entry point is in kernels/%s\n" % source,
+                  _translation_unit(files, source), flags + ["-DGQA_16BIT=%d" % sixteen_bit])
+    return ctypes.cast(getattr(ctypes.CDLL(path), "gqa_launch_" + family), ctypes.c_void_p).value
+
+
+def build_all():
+    """Build and load every kernel family this build's plans use (what a first call builds lazily)."""
+    ops = load_extension()
+    for name in sorted({plan.rsplit("/", 1)[0] for plan in ops.all_plans.default()}):
+        family, dtype = name.split("/")
+        load_family(family, dtype != "fp32", family in ("wgmma", "x3"))
 
 
 def _register_fake():
@@ -231,42 +328,6 @@ def _register_fake():
     namespace._gqa_fake_registered = True
 
 
-# ------------------------------------------------------------------------------------------------
-# Validation for the PyTorch path. CUDA inputs are checked by binding.cpp, with the same messages,
-# so the kernel path does no Python work per call.
-def _check_inputs(q, k, v):
-    for arg, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError("causal_gqa_attention: %s must be a torch.Tensor, got %s" % (arg, type(t).__name__))
-    for arg, t, layout in (("q", q, "[B, T, Hq, D]"), ("k", k, "[B, T, Hkv, D]"), ("v", v, "[B, T, Hkv, D]")):
-        if t.dim() != 4:
-            raise ValueError("causal_gqa_attention: %s must be 4-D %s, got a %d-D tensor" % (arg, layout, t.dim()))
-    if k.shape != v.shape:
-        raise ValueError("causal_gqa_attention: k and v must have the same shape, got k %s and v %s"
-                         % (list(k.shape), list(v.shape)))
-    for dim, what in ((0, "batch size B"), (1, "sequence length T"), (3, "head_dim D")):
-        if k.shape[dim] != q.shape[dim]:
-            raise ValueError("causal_gqa_attention: k must have q's %s (dim %d): q has %d, k has %d"
-                             % (what, dim, q.shape[dim], k.shape[dim]))
-    if k.shape[2] < 1:
-        raise ValueError("causal_gqa_attention: k must have at least one kv head (dim 2), got %d" % k.shape[2])
-    if q.shape[2] % k.shape[2]:
-        raise ValueError("causal_gqa_attention: q's head count Hq (dim 2, %d) must be a multiple of k's head "
-                         "count Hkv (dim 2, %d)" % (q.shape[2], k.shape[2]))
-    if not q.dtype == k.dtype == v.dtype:
-        raise ValueError("causal_gqa_attention: q, k and v must share one dtype, got q %s, k %s, v %s"
-                         % (q.dtype, k.dtype, v.dtype))
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError("causal_gqa_attention: q has unsupported dtype %s: expected float32, float16 or "
-                         "bfloat16" % q.dtype)
-    if not q.device == k.device == v.device:
-        raise ValueError("causal_gqa_attention: q, k and v must be on the same device, got q %s, k %s, v %s"
-                         % (q.device, k.device, v.device))
-    if not 1 <= q.shape[3] <= MAX_HEAD_DIM:
-        raise ValueError("causal_gqa_attention: head_dim D (q.shape[3]) must be in 1..%d, got %d"
-                         % (MAX_HEAD_DIM, q.shape[3]))
-
-
 # bundle: begin pytorch-path
 def _attention_torch(q, k, v):
     """The same function through PyTorch, for tensors that are not on a CUDA device."""
@@ -277,10 +338,11 @@ def _attention_torch(q, k, v):
     return out.transpose(1, 2).contiguous()
 
 
-def _not_on_cuda(q, k, v):
-    """Inputs whose q is not a CUDA tensor: checked, then run through PyTorch."""
-    _check_inputs(q, k, v)
-    return _attention_torch(q, k, v)
+def _not_on_cuda(q, k, v, run=True):
+    """Inputs whose q is not a CUDA tensor: checked by the library's own rules (the ones CUDA inputs
+    meet), then run through PyTorch; run=False: only checked, and the plan's name returned."""
+    load_extension().check_inputs.default(q, k, v)
+    return _attention_torch(q, k, v) if run else "pytorch/" + q.device.type
 # bundle: end pytorch-path
 
 
@@ -296,9 +358,11 @@ def _forward_op():
     return _FORWARD
 
 
-# What torch.compiler.assume_constant_result does, without importing torch._dynamo (1.4 s) here:
-# a compiled graph calls the loaded op instead of tracing the build.
-_forward_op._dynamo_marked_constant = True
+# A compiled graph calls the loaded op instead of tracing the build. torch.compiler's marker
+# imports torch._dynamo (about 1 s), so it is applied here only when that is loaded already; a
+# ModelNew built on a machine with a GPU loads the library before any trace (see ModelNew).
+if "torch._dynamo" in sys.modules:
+    _forward_op = torch.compiler.assume_constant_result(_forward_op)
 
 
 def causal_gqa_attention(q, k, v):
@@ -325,8 +389,7 @@ def plan(q, k, v):
     CPU tensors take PyTorch: "pytorch/cpu"."""
     if isinstance(q, torch.Tensor) and q.is_cuda:
         return load_extension().plan.default(q, k, v)
-    _check_inputs(q, k, v)
-    return "pytorch/cpu"
+    return _not_on_cuda(q, k, v, run=False)
 
 
 def plan_for(B, T, Hq, Hkv, D, dtype=torch.float32, aligned=True, allow_tf32=False, sm_count=132, cc_major=9):
@@ -344,10 +407,13 @@ class ModelNew(nn.Module):
     """Drop-in for the reference ``Model``. Holds no parameters: every size comes from q, k, v.
 
     Accepts whatever the harness passes (nothing, or the head counts and head_dim) and ignores it.
+    On a machine with a GPU it loads the library here, so torch.compile never traces the build.
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__()
+        if torch.cuda.is_available():
+            _forward_op()
 
     def forward(self, q, k, v):
         return causal_gqa_attention(q, k, v)
@@ -364,7 +430,7 @@ class ModelNew(nn.Module):
 # loads the library (what a harness that precompiles by running the file wants).
 _BUNDLE_REGIONS = {
     "torch-functional": "",
-    "pytorch-path": '''def _not_on_cuda(q, k, v):
+    "pytorch-path": '''def _not_on_cuda(q, k, v, run=True):
     """This single file runs CUDA tensors only; anything else is refused."""
     if not isinstance(q, torch.Tensor):
         raise TypeError("causal_gqa_attention: q must be a torch.Tensor, got %s" % type(q).__name__)

@@ -116,6 +116,8 @@ def test_extension_builds_and_registers_ops():
         "plan_for": "gqa_attn::plan_for(int B, int T, int Hq, int Hkv, int D, ScalarType dtype, bool aligned, "
                     "bool allow_tf32, int sm_count, int cc_major) -> str",
         "all_plans": "gqa_attn::all_plans() -> str[]",
+        "check_inputs": "gqa_attn::check_inputs(Tensor q, Tensor k, Tensor v) -> ()",
+        "_set_module_loader": "gqa_attn::_set_module_loader(int address) -> ()",
     }
     for name, schema in schemas.items():
         assert str(getattr(ops, name).default._schema) == schema
@@ -139,6 +141,19 @@ def test_extension_builds_and_registers_ops():
     assert gqa_module.load_extension() is ops   # cached: a second call does not rebuild
 
 
+def test_every_kernel_family_builds_and_exports_its_entry():
+    """Each family's library (built lazily on a first call) compiles and exports gqa_launch_<family>."""
+    ops = gqa_module.load_extension()
+    families = sorted({name.rsplit("/", 1)[0] for name in ops.all_plans.default()})
+    assert families == ["rowwise/bf16", "rowwise/fp16", "rowwise/fp32", "short/fp32", "tiled/bf16", "tiled/fp16",
+                        "tiled/fp32", "wgmma/bf16", "wgmma/fp16", "x3/fp32"] or not ops._gqa_targets[1], families
+    gqa_module.build_all()
+    for name in families:
+        family, dtype = name.split("/")
+        address = gqa_module.load_family(family, dtype != "fp32", family in ("wgmma", "x3"))
+        assert isinstance(address, int) and address != 0, name
+
+
 def test_first_calls_from_two_threads_compile_once(tmp_path):
     """A fresh process with an empty extension cache: two threads call first, one build happens."""
     code = (
@@ -151,7 +166,7 @@ def test_first_calls_from_two_threads_compile_once(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True,
                          timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stderr.count("compiling the CUDA kernel") == 1, run.stderr[-3000:]
+    assert run.stderr.count("compiling the entry library") == 1, run.stderr[-3000:]
 
 
 def test_missing_toolkit_error_names_nvcc_and_cuda_home(monkeypatch):
@@ -163,20 +178,41 @@ def test_missing_toolkit_error_names_nvcc_and_cuda_home(monkeypatch):
     assert "nvcc" in str(info.value) and "CUDA_HOME" in str(info.value)
 
 
-def test_arch_flags_pick_sm90a_only_when_wgmma_can_run(monkeypatch):
-    """The wgmma path (GQA_SM90A) is compiled only into a build for sm_90a alone: an sm_90 GPU or
-    no GPU by default, or TORCH_CUDA_ARCH_LIST exactly 9.0a. Any other list keeps mma.sync."""
-    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")
-    assert gqa_module._arch_flags() == (["-DGQA_SM90A"], "90a")
-    for wanted, tag in (("9.0", "90"), ("8.0;9.0a", "80_90a"), ("8.6 9.0", "86_90")):
-        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", wanted)
-        assert gqa_module._arch_flags() == ([], tag)
-    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
-    flags, tag = gqa_module._arch_flags()
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() == (9, 0):
-        assert (flags, tag) == (["-gencode=arch=compute_90a,code=sm_90a", "-DGQA_SM90A"], "90a")
+def test_targets_follow_torch_cuda_arch_list(monkeypatch, capsys):
+    """Unset: the GPU present (sm_90 -> sm_90a), or sm_90a with no GPU. Set: the list's targets as
+    torch builds them (family names expanded), plus the sm_90a libraries where the list gives an
+    sm_90 GPU (or, with none, any) 9.0 code; an sm_90 GPU left to PTX is told so once."""
+    gpu = torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    flags, sm90a, tag = gqa_module._targets()
+    if gpu in (None, (9, 0)):
+        assert (flags, sm90a, tag) == (["-gencode=arch=compute_90a,code=sm_90a"], True, "90a")
     else:
-        assert "-DGQA_SM90A" not in flags and not tag.endswith("a")
+        assert not sm90a and not tag.endswith("a")
+    on_90 = gpu in (None, (9, 0))
+    for wanted, expect_flags, expect_sm90a in (
+            ("Hopper", ["-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_90,code=compute_90"], on_90),
+            ("9.0", ["-gencode=arch=compute_90,code=sm_90"], on_90),
+            ("9.0;9.0a", ["-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_90a,code=sm_90a"], on_90),
+            ("8.0 8.6+PTX", ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_86,code=sm_86",
+                             "-gencode=arch=compute_86,code=compute_86"], False),
+            ("Ada", ["-gencode=arch=compute_89,code=sm_89", "-gencode=arch=compute_89,code=compute_89"], False)):
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", wanted)
+        flags, sm90a, tag = gqa_module._targets()
+        assert (flags, sm90a) == (expect_flags, expect_sm90a), wanted
+        assert ("90a" in tag) == sm90a and "/" not in tag and "+" not in tag and ";" not in tag, tag
+    said = capsys.readouterr().err
+    if gpu == (9, 0):   # the two lists without 9.0 leave this GPU to PTX: one line each, once
+        assert said.count("wgmma paths") == 2 and "'Ada'" in said, said
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "Ada")
+        gqa_module._targets()
+        assert "wgmma paths" not in capsys.readouterr().err
+    else:
+        assert "wgmma paths" not in said, said
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "Hopperr")
+    with pytest.raises(ValueError, match="TORCH_CUDA_ARCH_LIST"):
+        gqa_module._targets()
+
 
 
 CPU_GRID = [(1, 1, 1, 1, 1), (2, 2, 8, 2, 32), (1, 63, 6, 3, 40), (3, 65, 7, 1, 17), (1, 80, 8, 8, 64),
@@ -276,11 +312,12 @@ def _load_bench():
 
 def test_committed_results_match_schema_and_current_kernel():
     """The benchmark's bench/results/*.json follow the schema (sanitizer.json has its own test;
-    kernelbench_eval.json is bench/kernelbench_eval.py's record), and one of them was measured on the
+    kernelbench_eval.json and first_calls.json are the records of bench/kernelbench_eval.py and
+    bench/first_call.py), and one of them was measured on the
     kernel as it is now."""
     results_dir = os.path.join(HERE, "bench", "results")
     paths = sorted(os.path.join(results_dir, f) for f in os.listdir(results_dir)
-                   if f.endswith(".json") and f not in ("sanitizer.json", "kernelbench_eval.json"))
+                   if f.endswith(".json") and f not in ("sanitizer.json", "kernelbench_eval.json", "first_calls.json"))
     assert paths, "no committed benchmark results"
     bench = _load_bench()
     hashes = set()
@@ -1248,7 +1285,7 @@ def test_four_processes_first_call_together(tmp_path):
     outputs = [p.communicate(timeout=900) for p in procs]
     for p, (out, err) in zip(procs, outputs):
         assert p.returncode == 0 and "ok" in out, err[-2000:]
-    assert sum(err.count("compiling the CUDA kernel") for _, err in outputs) == 1
+    assert sum(err.count("compiling the entry library") for _, err in outputs) == 1
 
 
 def test_killed_build_does_not_block_the_next(tmp_path):
@@ -1266,6 +1303,20 @@ def test_killed_build_does_not_block_the_next(tmp_path):
     nxt = first_call_processes(1, tmp_path)[0]
     out, err = nxt.communicate(timeout=900)
     assert nxt.returncode == 0 and "ok" in out, err[-2000:]
+
+
+@needs_gpu
+def test_gpu_first_call_builds_only_the_entry_and_its_family(tmp_path):
+    """A first call in a fresh process builds the entry library and the one family its plan needs."""
+    code = ("import torch, gqa_module\n"
+            "q, k, v = (torch.randn(2, 80, H, 32, device='cuda') for H in (8, 2, 2))\n"
+            "print(gqa_module.plan(q, k, v), bool(gqa_module.causal_gqa_attention(q, k, v).isfinite().all()))\n")
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
+    run = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["short/fp32/d32", "True"], run.stdout
+    built = sorted(d for d in os.listdir(tmp_path) if os.path.isdir(tmp_path / d))
+    assert len(built) == 2 and built[1] == built[0] + "_short32", built
 
 
 @needs_gpu

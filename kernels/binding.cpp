@@ -1,5 +1,6 @@
-// The PyTorch-facing side: the op schema, input validation, the device guard and the launch on
-// the current stream. The kernels see only GqaParams (gqa_params.h).
+// The PyTorch-facing side: the op schema, input validation (the one copy of the rules, for CPU
+// inputs too), the device guard and the launch on the current stream. The kernels see only
+// GqaParams (gqa_params.h).
 //
 // Only light headers are included (no torch/extension.h, no pybind11): the library registers
 // its ops with TORCH_LIBRARY and Python reaches them through torch.ops.gqa_attn.
@@ -67,12 +68,14 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v)
     GQA_CHECK_ARG(q.device() == k.device() && q.device() == v.device(),
                   "q, k and v must be on the same device, got q ", q.device().str(), ", k ", k.device().str(),
                   ", v ", v.device().str());
-    GQA_CHECK_ARG(q.is_cuda(), "q must be a CUDA tensor for this op, got ", q.device().str());
     GQA_CHECK_ARG(q.size(3) >= 1 && q.size(3) <= kGqaMaxHeadDim, "head_dim D (q.shape[3]) must be in 1..",
                   num(kGqaMaxHeadDim), ", got ", num(q.size(3)));
     GQA_CHECK_ARG(q.size(2) == 0 || (q.size(1) <= INT32_MAX / q.size(2) && q.size(0) <= INT32_MAX),
                   "q is too large: B and T * Hq must each fit in 32 bits");
 }
+
+// check_inputs as an op, for inputs that PyTorch runs (any device).
+void check_inputs_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) { check_inputs(q, k, v); }
 
 // A view whose last dim is contiguous is used as it is; anything else is copied once.
 at::Tensor with_unit_last_stride(const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); }
@@ -118,8 +121,7 @@ const char* dtype_name(int dtype) {
 
 // "family/dtype/shape", e.g. "rowwise/fp32/8x1-planned", "tiled/fp32/d64-split8", "x3/fp32/d128".
 std::string plan_name(const GqaPlan& plan) {
-    static const char* const families[] = {"rowwise", "short", "tiled", "wgmma", "x3"};
-    std::string s = std::string(families[plan.family]) + "/" + dtype_name(plan.dtype) + "/";
+    std::string s = std::string(gqa_family_name(plan.family)) + "/" + dtype_name(plan.dtype) + "/";
     if (plan.family == kGqaRowwise) {
         s += num(plan.warps) + "x" + num(plan.split) + (plan.planned ? "-planned" : "");
     } else {
@@ -154,6 +156,9 @@ at::Tensor causal_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
         p.workspace = scratch.data_ptr();
     }
     const int err = gqa_forward(p, plan, c10::cuda::getCurrentCUDAStream().stream());
+    TORCH_CHECK(err != kGqaModuleUnavailable, "causal_gqa_attention: the kernels of plan ", plan_name(plan),
+                " could not be built or loaded (the build's error is printed above; load the library through "
+                "gqa_module, which builds them on first use)");
     TORCH_CHECK(err == 0, "causal_gqa_attention: kernel launch failed (", plan_name(plan), "): ",
                 cudaGetErrorString(static_cast<cudaError_t>(err)));
     return out;
@@ -184,6 +189,9 @@ std::string plan_for(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, c
     dev.sm_count = int(sm_count), dev.cc_major = int(cc_major);
     return plan_name(gqa_make_plan(p, dev));
 }
+
+// Where attention.cu asks for a family's library on its first use (a GqaModuleLoader's address).
+void set_module_loader(int64_t address) { gqa_set_module_loader(reinterpret_cast<GqaModuleLoader>(address)); }
 
 std::vector<std::string> all_plans() {
     std::vector<std::string> names;
@@ -234,6 +242,8 @@ TORCH_LIBRARY(gqa_attn, m) {
     m.def("plan_for(int B, int T, int Hq, int Hkv, int D, ScalarType dtype, bool aligned, bool allow_tf32, "
           "int sm_count, int cc_major) -> str", &plan_for);
     m.def("all_plans() -> str[]", &all_plans);
+    m.def("check_inputs(Tensor q, Tensor k, Tensor v) -> ()", &check_inputs_op);
+    m.def("_set_module_loader(int address) -> ()", &set_module_loader);
 }
 
 TORCH_LIBRARY_IMPL(gqa_attn, CUDA, m) {

@@ -1,5 +1,6 @@
-// The one contract between the PyTorch-facing binding (binding.cpp) and the CUDA kernels
-// (attention.cu). Plain data only, so the CUDA translation unit never includes a torch header.
+// The one contract between the PyTorch-facing binding (binding.cpp), the entry point
+// (attention.cu: plan and dispatch) and the kernel family libraries. Plain data only, so no CUDA
+// translation unit includes a torch header.
 #ifndef GQA_PARAMS_H
 #define GQA_PARAMS_H
 #include <cstdint>
@@ -39,7 +40,7 @@ struct GqaDevice {
 };
 
 // Kernel families (attention.cu describes when each is taken).
-enum GqaFamily : int { kGqaRowwise = 0, kGqaShort = 1, kGqaTiled = 2, kGqaWgmma = 3, kGqaX3 = 4 };
+enum GqaFamily : int { kGqaRowwise = 0, kGqaShort = 1, kGqaTiled = 2, kGqaWgmma = 3, kGqaX3 = 4, kGqaFamilies = 5 };
 
 // Which kernel a call runs, decided once per call by gqa_make_plan and read by the workspace
 // sizing, the launch and plan().
@@ -52,6 +53,15 @@ struct GqaPlan {
     bool planned;  // row-wise: every copy addressed before the wait for the previous grid
 };
 
+// A family library's entry, `gqa_launch_<family name>`: runs the plan on `stream`, returns a
+// cudaError_t value (0 on success).
+typedef int (*GqaLauncher)(const GqaParams* params, const GqaPlan* plan, void* stream);
+// Builds (first time) and loads the library of a family for fp32 (sixteen_bit 0) or fp16/bf16 (1)
+// inputs, for sm_90a where `sm90a` is 1; returns its GqaLauncher, or null when that failed.
+typedef void* (*GqaModuleLoader)(const char* family, int sixteen_bit, int sm90a);
+// gqa_forward's result when the plan's library could not be built or loaded.
+constexpr int kGqaModuleUnavailable = -1;
+
 // The ints below are cudaError_t values (0 on success); `stream` is a cudaStream_t.
 int gqa_device_facts(GqaDevice* out);   // of the current device
 GqaPlan gqa_make_plan(const GqaParams& params, const GqaDevice& device);
@@ -61,6 +71,8 @@ GqaPlan gqa_plan_at(int index);
 // Bytes of scratch the plan needs (0: none).
 int64_t gqa_workspace_bytes(const GqaParams& params, const GqaPlan& plan);
 int gqa_forward(const GqaParams& params, const GqaPlan& plan, void* stream);
+void gqa_set_module_loader(GqaModuleLoader loader);
+const char* gqa_family_name(int family);   // "rowwise", "short", "tiled", "wgmma" or "x3"
 int gqa_empty_launch(void* out, void* stream);
 // Reads q, k and v once and writes o = q: the memory floor of a call, for benchmarks.
 int gqa_read_floor(const GqaParams& params, void* stream);

@@ -1,0 +1,121 @@
+// Warpgroup primitives (sm_90a): wgmma wrappers and the warpgroup S and P V products.
+#ifndef GQA_COMMON_WGMMA_CUH
+#define GQA_COMMON_WGMMA_CUH
+
+#include "common/mma.cuh"
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// sm_90a: wgmma, the warpgroup (4 warps, 64 rows) MMA. Its shared-memory operands use the 128-byte
+// swizzle: a tile of `rows` rows of 16-bit values is stored as 64-column blocks of [rows][128 bytes],
+// and 16-byte chunk c of row r sits at chunk c ^ (r % 8). A descriptor gives a block's start (the
+// block is 1024-byte aligned), the step between 8-row groups (1024 bytes) and the swizzle mode.
+// The accumulator layout per warp is the mma.sync m16n8 layout repeated over the n-tiles, and a
+// register A operand is the m16n8k16 A fragment, so the softmax and P packing are shared.
+__host__ __device__ constexpr uint32_t sw128_offset(int r, int c, int rows) {   // bytes, element (r, c)
+    return uint32_t((c / 64) * rows * 128 + r * 128 + ((((c % 64) / 8) ^ (r % 8)) * 16) + (c % 8) * 2);
+}
+[[maybe_unused]] __device__ __forceinline__ uint64_t wg_desc(const void* smem, uint32_t lbo, uint32_t sbo) {
+    const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+    return uint64_t((a & 0x3FFFF) >> 4) | (uint64_t((lbo & 0x3FFFF) >> 4) << 16) | (uint64_t((sbo & 0x3FFFF) >> 4) << 32) |
+           (uint64_t(1) << 62);
+}
+[[maybe_unused]] __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+[[maybe_unused]] __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Waits until at most N committed wgmma groups of this warpgroup are still running.
+template <int N> __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// Pins every register of an accumulator array at this point of the program: the compiler sees
+// a write of each, so no access to it moves across a wgmma wait next to it.
+template <int N> __device__ __forceinline__ void fence_regs(float (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+// Makes this thread's ordinary shared-memory writes (cp.async included) visible to wgmma's reads.
+[[maybe_unused]] __device__ __forceinline__ void fence_async_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Each wgmma wrapper below is one asm statement; the input type (bf16 or f16) is spliced into
+// the instruction name, so both types share one operand list.
+// GQA_WGMMA_BODY(ASM) is a wrapper's body: ASM for its input type on sm_90a, a trap elsewhere.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define GQA_WGMMA_BODY(ASM) \
+    if constexpr (kBf16) ASM("bf16"); \
+    else ASM("f16")
+#else
+#define GQA_WGMMA_BODY(ASM) __trap()
+#endif
+#define GQA_ASM_WGMMA_SS_N64(TY) \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n" \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
+                     : "l"(da), "l"(db), "r"(accumulate))
+template <bool kBf16>
+__device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], uint64_t da, uint64_t db, int accumulate) { GQA_WGMMA_BODY(GQA_ASM_WGMMA_SS_N64); }
+#undef GQA_ASM_WGMMA_SS_N64
+#define GQA_ASM_WGMMA_RS_TB_N64(TY) \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n" \
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n" \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate))
+template <bool kBf16>
+__device__ __forceinline__ void wgmma_rs_tb_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int accumulate) { GQA_WGMMA_BODY(GQA_ASM_WGMMA_RS_TB_N64); }
+#undef GQA_ASM_WGMMA_RS_TB_N64
+#define GQA_ASM_WGMMA_RS_TB_N128(TY) \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n" \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate))
+template <bool kBf16>
+__device__ __forceinline__ void wgmma_rs_tb_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t db, int accumulate) { GQA_WGMMA_BODY(GQA_ASM_WGMMA_RS_TB_N128); }
+#undef GQA_ASM_WGMMA_RS_TB_N128
+
+// S (the warpgroup's 64 rows x 64 keys; each warp holds its 16 rows as s[8][4]) = Q K^T. Q is a
+// swizzled tile of QR rows whose warpgroup rows start at `q_row0`, K a swizzled tile of KR rows.
+// Issued without a commit: the caller commits, and s is not valid before the matching wg_wait.
+// `accumulate`: add to s instead of starting from zero.
+template <bool kBf16, int DP, int QR, int KR>
+__device__ __forceinline__ void qk_wgmma(float (&s)[8][4], const uint16_t* q_tile, int q_row0, const uint16_t* k_tile,
+                                         bool accumulate = false) {
+    const unsigned char* qb = reinterpret_cast<const unsigned char*>(q_tile) + q_row0 * 128;
+    const unsigned char* kb = reinterpret_cast<const unsigned char*>(k_tile);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < DP / 16; ++kk) {
+        const int blk = kk / 4, col = (kk % 4) * 32;   // 64-column block, byte offset of the k-step
+        wgmma_ss_n64<kBf16>(reinterpret_cast<float(&)[32]>(s), wg_desc(qb + blk * QR * 128 + col, 16, 1024),
+                            wg_desc(kb + blk * KR * 128 + col, 16, 1024), kk > 0 || accumulate);
+    }
+}
+
+// P, the probabilities of a 64-key S tile, as the four k16 A fragments of P V (16-bit).
+template <bool kBf16> __device__ __forceinline__ void pack_p(uint32_t (&a)[4][4], const float (&s)[8][4]) {
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+        a[ks][0] = pack_16bit<kBf16>(s[2 * ks][0], s[2 * ks][1]);
+        a[ks][1] = pack_16bit<kBf16>(s[2 * ks][2], s[2 * ks][3]);
+        a[ks][2] = pack_16bit<kBf16>(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+        a[ks][3] = pack_16bit<kBf16>(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+    }
+}
+
+// O (the warpgroup's 64 rows x DP) += P V, P packed by pack_p. Issued without a commit: neither
+// o nor a may be touched before the caller's matching wg_wait.
+// V is a swizzled tile of KR rows (keys) read N-major (transposed) by the instruction: 8-key
+// groups 1024 bytes apart (the stride byte offset), 64-column blocks KR * 128 bytes apart (the
+// leading byte offset).
+// `accumulate` false: o starts from zero.
+template <bool kBf16, int DP, int KR>
+__device__ __forceinline__ void pv_wgmma(float (&o)[DP / 8][4], const uint32_t (&a)[4][4], const uint16_t* v_tile,
+                                         bool accumulate = true) {
+    const unsigned char* vb = reinterpret_cast<const unsigned char*>(v_tile);
+    wg_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+        const uint64_t db = wg_desc(vb + ks * 16 * 128, KR * 128, 1024);
+        if constexpr (DP == 64) wgmma_rs_tb_n64<kBf16>(reinterpret_cast<float(&)[32]>(o), a[ks], db, ks > 0 || accumulate);
+        else wgmma_rs_tb_n128<kBf16>(reinterpret_cast<float(&)[64]>(o), a[ks], db, ks > 0 || accumulate);
+    }
+}
+#undef GQA_WGMMA_BODY
+
+}  // namespace
+#endif  // GQA_COMMON_WGMMA_CUH
