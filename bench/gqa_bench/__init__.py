@@ -1,0 +1,1 @@
+"""The benchmark behind bench/bench_gqa.py: settings, shapes, implementations, checks, timing, reports."""

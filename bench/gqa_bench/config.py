@@ -1,0 +1,19 @@
+"""Settings of a run: timing modes, dtypes, tolerances, memory limits and trial counts."""
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_OUT = REPO_ROOT / "bench" / "results"
+
+MODES = ("harness", "back_to_back", "graph")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+TOLERANCE = {"float32": 1e-3, "bfloat16": 2e-2, "float16": 2e-2}
+FULL_REFERENCE_LIMIT = 4 * 2**30  # bytes of float64 T x T scores
+SLICE_ROWS = 128  # first and last query rows used when the reference is sliced
+MEMORY_FRACTION = 0.6  # an impl may use at most this share of free memory
+FLUSH_BYTES = 256 * 2**20
+
+HARNESS_WARMUP, HARNESS_TRIALS = 3, 100
+LOOPS_WARMUP, LOOPS_TRIALS = 1, 5  # reference_loops takes ~100 ms a call
+GRAPH_CALLS, GRAPH_REPLAYS = 20, 10
+LOOPS_GRAPH_CALLS, LOOPS_GRAPH_REPLAYS = 2, 3
