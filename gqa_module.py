@@ -179,9 +179,10 @@ def _say_once(message):
 
 # ------------------------------------------------------------------------------------------------
 # Building and loading. The entry library (binding.cpp and attention.cu: the ops, the plan, the
-# dispatch) loads first; each kernel family (kernels/<family>/<family>.cu, fp32 and 16-bit inputs
-# apart) is a library of its own, built on the first call that needs it: attention.cu asks the
-# loader registered below, through ctypes, for its entry point.
+# dispatch, and the short and fp32 row-wise kernels) loads first; every other kernel unit (one
+# family's kernels for one input dtype and head_dim width, kernels/<family>/<family>.cu) is a
+# library of its own, built on the first call that needs it: attention.cu asks the loader
+# registered below, through ctypes, for its entry point.
 _OPS = None   # torch.ops.gqa_attn once the entry library is loaded
 
 
@@ -255,8 +256,8 @@ def load_extension():
 
     Once per process: when the library is already loaded (by this module or by any copy of the
     bundle, whatever its TORCH_EXTENSIONS_DIR), its ops are reused if they were built from the
-    same kernel sources, and a RuntimeError naming both sha256s is raised otherwise. The kernel
-    families build on first use (load_family)."""
+    same kernel sources, and a RuntimeError naming both sha256s is raised otherwise. The other
+    kernel units build on first use (load_unit)."""
     global _OPS
     if _OPS is not None:
         return _OPS
@@ -272,44 +273,45 @@ def load_extension():
         if not hasattr(namespace, "_gqa_source_sha256"):
             namespace._gqa_source_sha256 = sha          # process-wide: every copy checks against it
             namespace._gqa_targets = (flags, sm90a, tag)   # the families build for the same targets
-            namespace._gqa_module_loader = _LOADER_TYPE(_load_family)   # alive as long as the process
+            namespace._gqa_module_loader = _LOADER_TYPE(_load_unit)   # alive as long as the process
             namespace._set_module_loader(ctypes.cast(namespace._gqa_module_loader, ctypes.c_void_p).value)
     _register_fake()
     _OPS = getattr(torch.ops, _LIBRARY)
     return _OPS
 
 
-# What attention.cu calls on a family's first use: (family name, 16-bit inputs, for sm_90a) -> the
-# address of the library's entry point, or None when the build failed (its error is printed).
-_LOADER_TYPE = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int)
+# What attention.cu calls on a unit's first use: (unit name, dtype code, head_dim width, for
+# sm_90a) -> the address of the library's entry point, or None when the build failed (its error
+# is printed).
+_LOADER_TYPE = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int)
 
 
-def _load_family(family, sixteen_bit, sm90a):
-    return load_family(family.decode(), bool(sixteen_bit), bool(sm90a))
+def _load_unit(unit, dtype, width, sm90a):
+    return load_unit(unit.decode(), dtype, width, bool(sm90a))
 
 
-def load_family(family, sixteen_bit=False, sm90a=False):
-    """Build (first time on this machine) and load the library of one kernel family for fp32
-    (sixteen_bit False) or fp16 and bf16 inputs; returns the address of its entry point."""
+def load_unit(unit, dtype, width, sm90a=False):
+    """Build (first time on this machine) and load one kernel unit, "family/dtype[/dWIDTH]": the
+    family's source compiled for one input dtype (gqa_params.h's GqaDtype code) and head_dim width;
+    returns the address of its entry point. attention.cu names the units and calls this."""
     ops = load_extension()
     flags, _, tag = ops._gqa_targets
     if sm90a:
         flags, tag = ["-gencode=arch=compute_90a,code=sm_90a"], "90a"
-    files = _read_kernel_files()
+    family = unit.split("/")[0]
     source = "%s/%s.cu" % (family, family)
-    bits = 16 if sixteen_bit else 32
-    path = _build("%s_%s_sm%s_%s%d" % (_LIBRARY, ops._gqa_source_sha256[:12], tag, family, bits),
-                  "the %s kernels for %d-bit inputs" % (family, bits), "// the entry point is in kernels/%s\n" % source,
-                  _translation_unit(files, source), flags + ["-DGQA_16BIT=%d" % sixteen_bit])
+    path = _build("%s_%s_sm%s_%s" % (_LIBRARY, ops._gqa_source_sha256[:12], tag, unit.replace("/", "_")),
+                  "the %s kernels" % unit, "// the entry point is in kernels/%s\n" % source,
+                  _translation_unit(_read_kernel_files(), source),
+                  flags + ["-DGQA_DTYPE=%d" % dtype, "-DGQA_WIDTH=%d" % width])
     return ctypes.cast(getattr(ctypes.CDLL(path), "gqa_launch_" + family), ctypes.c_void_p).value
 
 
 def build_all():
-    """Build and load every kernel family this build's plans use (what a first call builds lazily)."""
-    ops = load_extension()
-    for name in sorted({plan.rsplit("/", 1)[0] for plan in ops.all_plans.default()}):
-        family, dtype = name.split("/")
-        load_family(family, dtype != "fp32", family in ("wgmma", "x3"))
+    """Build and load the kernels of every plan (what first calls build one unit at a time)."""
+    missing = load_extension()._load_every_plan.default()
+    if missing:
+        raise RuntimeError("gqa_module: %d plans' kernels could not be built or loaded (errors above)" % missing)
 
 
 def _register_fake():

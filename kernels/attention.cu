@@ -5,7 +5,8 @@
 //   q: (B, T, Hq, D)   k, v: (B, T, Hkv, D)   o: (B, T, Hq, D)
 //   o[b, t, h] = softmax_j<=t(q[b, t, h] . k[b, j, h / G] / sqrt(D)) . v[b, j, h / G],  G = Hq / Hkv
 //
-// Each family is a library of its own, built on first use (fp32 and 16-bit inputs apart):
+// Each family's kernels are built in units, one library per input dtype and head_dim width, on
+// the first call that needs one; the short and fp32 row-wise units are compiled into this library:
 //   rowwise/  short sequences and tiny head dims: fp32 FMA, one warp per few packed rows
 //   short/    short fp32 sequences at head_dim <= 32: 3xTF32 mma.sync, keys split over warps
 //   tiled/    everything else: 3xTF32 or 16-bit mma.sync over K/V tiles (tiled/kernel.cuh)
@@ -16,12 +17,22 @@
 // one (batch, kv head): row = t * G + g, so the G heads that read the same K/V share its loads.
 
 #include <atomic>
+#include <cstdio>
 #include <vector>
 
 #include "common/base.cuh"
 #include "rowwise/rules.cuh"
 #include "short/rules.cuh"
 #include "x3/rules.cuh"
+
+// The units compiled into this library: the short family and the fp32 row-wise family. Their
+// compile fits in the time binding.cpp's takes beside it, so a first call there builds nothing more.
+#define GQA_DTYPE kGqaFloat32
+#define GQA_WIDTH 32
+#include "short/short.cu"
+#include "rowwise/rowwise.cu"
+#undef GQA_DTYPE
+#undef GQA_WIDTH
 
 namespace {
 
@@ -152,23 +163,35 @@ std::vector<GqaPlan> every_plan() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The dispatch: the entry of the plan's family library (fp32 or 16-bit inputs), asked once from
-// the loader that the Python side registers (gqa_set_module_loader), which builds and loads the
-// library on first use; kept for every later call.
+// The dispatch: the entry of the plan's unit (family, input dtype, head_dim width), compiled in
+// (above) or asked once from the loader that the Python side registers (gqa_set_module_loader),
+// which builds and loads the unit's library on first use; kept for every later call.
 const char* const kFamilyNames[kGqaFamilies] = {"rowwise", "short", "tiled", "wgmma", "x3"};
-std::atomic<GqaLauncher> g_launchers[kGqaFamilies][2];
+const char* const kDtypeNames[3] = {"fp32", "fp16", "bf16"};
+constexpr int kWidthSlots = 5;   // widths 0 (row-wise: any head_dim), 32, 64, 128, 256
+std::atomic<GqaLauncher> g_launchers[kGqaFamilies][3][kWidthSlots];
 std::atomic<GqaModuleLoader> g_loader{nullptr};
 
+int width_slot(int width) { return width == 0 ? 0 : width == 32 ? 1 : width == 64 ? 2 : width == 128 ? 3 : width == 256 ? 4 : -1; }
+
 GqaLauncher launcher_for(const GqaPlan& plan) {
-    if (plan.family < 0 || plan.family >= kGqaFamilies) return nullptr;
-    const int sixteen_bit = plan.dtype != kGqaFloat32;
-    std::atomic<GqaLauncher>& slot = g_launchers[plan.family][sixteen_bit];
+    if (plan.family == kGqaShort) return gqa_launch_short;
+    if (plan.family == kGqaRowwise && plan.dtype == kGqaFloat32) return gqa_launch_rowwise;
+    const int slot_w = width_slot(plan.width);
+    if (plan.family < 0 || plan.family >= kGqaFamilies || plan.dtype < 0 || plan.dtype > 2 || slot_w < 0) return nullptr;
+    std::atomic<GqaLauncher>& slot = g_launchers[plan.family][plan.dtype][slot_w];
     GqaLauncher launch = slot.load(std::memory_order_acquire);
     if (launch != nullptr) return launch;
     const GqaModuleLoader loader = g_loader.load();
     if (loader == nullptr) return nullptr;
+    char unit[32];
+    if (plan.width > 0) {
+        std::snprintf(unit, sizeof(unit), "%s/%s/d%d", kFamilyNames[plan.family], kDtypeNames[plan.dtype], plan.width);
+    } else {
+        std::snprintf(unit, sizeof(unit), "%s/%s", kFamilyNames[plan.family], kDtypeNames[plan.dtype]);
+    }
     const bool sm90a = plan.family == kGqaWgmma || plan.family == kGqaX3;
-    launch = reinterpret_cast<GqaLauncher>(loader(kFamilyNames[plan.family], sixteen_bit, sm90a));
+    launch = reinterpret_cast<GqaLauncher>(loader(unit, plan.dtype, plan.width, sm90a));
     if (launch != nullptr) slot.store(launch, std::memory_order_release);
     return launch;
 }
@@ -197,6 +220,13 @@ int gqa_forward(const GqaParams& p, const GqaPlan& plan, void* stream) {
 void gqa_set_module_loader(GqaModuleLoader loader) { g_loader.store(loader); }
 
 const char* gqa_family_name(int family) { return family >= 0 && family < kGqaFamilies ? kFamilyNames[family] : "?"; }
+const char* gqa_dtype_name(int dtype) { return dtype >= 0 && dtype < 3 ? kDtypeNames[dtype] : "?"; }
+
+int gqa_load_every_plan() {
+    int missing = 0;
+    for (const GqaPlan& plan : every_plan()) missing += launcher_for(plan) == nullptr;
+    return missing;
+}
 
 int64_t gqa_workspace_bytes(const GqaParams& p, const GqaPlan& plan) {
     if (plan.family != kGqaX3) return 0;

@@ -115,13 +115,9 @@ GqaDevice current_device() {
     return dev;
 }
 
-const char* dtype_name(int dtype) {
-    return dtype == kGqaFloat32 ? "fp32" : dtype == kGqaFloat16 ? "fp16" : "bf16";
-}
-
 // "family/dtype/shape", e.g. "rowwise/fp32/8x1-planned", "tiled/fp32/d64-split8", "x3/fp32/d128".
 std::string plan_name(const GqaPlan& plan) {
-    std::string s = std::string(gqa_family_name(plan.family)) + "/" + dtype_name(plan.dtype) + "/";
+    std::string s = std::string(gqa_family_name(plan.family)) + "/" + gqa_dtype_name(plan.dtype) + "/";
     if (plan.family == kGqaRowwise) {
         s += num(plan.warps) + "x" + num(plan.split) + (plan.planned ? "-planned" : "");
     } else {
@@ -193,6 +189,10 @@ std::string plan_for(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, c
 // Where attention.cu asks for a family's library on its first use (a GqaModuleLoader's address).
 void set_module_loader(int64_t address) { gqa_set_module_loader(reinterpret_cast<GqaModuleLoader>(address)); }
 
+// Builds and loads the kernels of every plan (what first calls build one at a time); returns how
+// many could not be loaded.
+int64_t load_every_plan() { return gqa_load_every_plan(); }
+
 std::vector<std::string> all_plans() {
     std::vector<std::string> names;
     for (int i = 0; i < gqa_plan_count(); ++i) names.push_back(plan_name(gqa_plan_at(i)));
@@ -244,6 +244,7 @@ TORCH_LIBRARY(gqa_attn, m) {
     m.def("all_plans() -> str[]", &all_plans);
     m.def("check_inputs(Tensor q, Tensor k, Tensor v) -> ()", &check_inputs_op);
     m.def("_set_module_loader(int address) -> ()", &set_module_loader);
+    m.def("_load_every_plan() -> int", &load_every_plan);
 }
 
 TORCH_LIBRARY_IMPL(gqa_attn, CUDA, m) {

@@ -56,9 +56,10 @@ struct GqaPlan {
 // A family library's entry, `gqa_launch_<family name>`: runs the plan on `stream`, returns a
 // cudaError_t value (0 on success).
 typedef int (*GqaLauncher)(const GqaParams* params, const GqaPlan* plan, void* stream);
-// Builds (first time) and loads the library of a family for fp32 (sixteen_bit 0) or fp16/bf16 (1)
-// inputs, for sm_90a where `sm90a` is 1; returns its GqaLauncher, or null when that failed.
-typedef void* (*GqaModuleLoader)(const char* family, int sixteen_bit, int sm90a);
+// Builds (first time) and loads the library of one unit of a family, named "family/dtype" or
+// "family/dtype/dWIDTH" (kernels/<family>/<family>.cu with GQA_DTYPE = dtype, a GqaDtype, and
+// GQA_WIDTH = width), for sm_90a where `sm90a` is 1; returns its GqaLauncher, or null on failure.
+typedef void* (*GqaModuleLoader)(const char* unit, int dtype, int width, int sm90a);
 // gqa_forward's result when the plan's library could not be built or loaded.
 constexpr int kGqaModuleUnavailable = -1;
 
@@ -73,6 +74,9 @@ int64_t gqa_workspace_bytes(const GqaParams& params, const GqaPlan& plan);
 int gqa_forward(const GqaParams& params, const GqaPlan& plan, void* stream);
 void gqa_set_module_loader(GqaModuleLoader loader);
 const char* gqa_family_name(int family);   // "rowwise", "short", "tiled", "wgmma" or "x3"
+const char* gqa_dtype_name(int dtype);     // "fp32", "fp16" or "bf16"
+// Finds (building where needed) the launcher of every plan; returns how many could not be loaded.
+int gqa_load_every_plan();
 int gqa_empty_launch(void* out, void* stream);
 // Reads q, k and v once and writes o = q: the memory floor of a call, for benchmarks.
 int gqa_read_floor(const GqaParams& params, void* stream);

@@ -160,12 +160,14 @@ cudaError_t launch_overlapped(Kernel kernel, int64_t blocks, int threads, size_t
 
 }  // namespace
 
-// A family library's entry point, gqa_launch_<family> (gqa_params.h: GqaLauncher): the current
-// device, then family_launch(params, plan, stream, device), which the family's file defines.
+// A kernel library's entry point, gqa_launch_<family> (gqa_params.h: GqaLauncher): the current
+// device, then <family>_launch(params, plan, stream, device), which the family's file defines.
+// A library holds one unit of a family: its kernels for the input dtype GQA_DTYPE (a GqaDtype)
+// and the head_dim width GQA_WIDTH, both set by the build.
 #define GQA_FAMILY_ENTRY(family)                                                                       \
     extern "C" int gqa_launch_##family(const GqaParams* p, const GqaPlan* plan, void* stream) {          \
         int dev = 0;                                                                                    \
         const cudaError_t err = cudaGetDevice(&dev);                                                    \
-        return int(err != cudaSuccess ? err : family_launch(*p, *plan, static_cast<cudaStream_t>(stream), dev)); \
+        return int(err != cudaSuccess ? err : family##_launch(*p, *plan, static_cast<cudaStream_t>(stream), dev)); \
     }
 #endif  // GQA_COMMON_BASE_CUH

@@ -1,5 +1,5 @@
-// The row-wise family (rules.cuh describes it), built as its own library: fp32 inputs, or fp16
-// and bf16 with GQA_16BIT=1.
+// The row-wise family (rules.cuh describes it): a unit per input dtype (GQA_DTYPE); the fp32 unit
+// is compiled into the entry library (attention.cu).
 
 #include "rowwise/rules.cuh"
 #include "common/mma.cuh"
@@ -440,13 +440,9 @@ cudaError_t launch_rowwise(const GqaParams& p, const GqaPlan& plan, cudaStream_t
     return launch_overlapped(kernel, packed_row_ctas(p, NW * RW), 32 * NW, smem, stream, dev, p, kc, dv);
 }
 
-// The library's launch, behind its entry point (GQA_FAMILY_ENTRY).
-cudaError_t family_launch(const GqaParams& p, const GqaPlan& plan, cudaStream_t s, int dev) {
-#if GQA_16BIT
-    using Elem = Half16;
-#else
-    using Elem = float;
-#endif
+// The unit's launch, behind its entry point (GQA_FAMILY_ENTRY): both CTA shapes, one input dtype.
+cudaError_t rowwise_launch(const GqaParams& p, const GqaPlan& plan, cudaStream_t s, int dev) {
+    using Elem = ElemOf<GQA_DTYPE>;
     return plan.warps == 8 ? launch_rowwise<Elem, 8, 1>(p, plan, s, dev)
                             : launch_rowwise<Elem, 4, 4>(p, plan, s, dev);
 }

@@ -1,4 +1,5 @@
-// The short family (rules.cuh describes it), built as its own library: fp32 inputs only.
+// The short family (rules.cuh describes it): fp32 at width 32 only, compiled into the entry
+// library (attention.cu).
 
 #include "short/rules.cuh"
 #include "common/tile_io.cuh"
@@ -326,8 +327,8 @@ cudaError_t launch_short(const GqaParams& p, cudaStream_t stream, int dev) {
     return launch_overlapped(kernel, packed_row_ctas(p, kShortRows), 32 * kShortWarps, short_smem_bytes<DP>(), stream, dev, p, dv);
 }
 
-// The library's launch, behind its entry point (GQA_FAMILY_ENTRY).
-cudaError_t family_launch(const GqaParams& p, const GqaPlan& plan, cudaStream_t s, int dev) {
+// The unit's launch, behind its entry point (GQA_FAMILY_ENTRY).
+cudaError_t short_launch(const GqaParams& p, const GqaPlan& plan, cudaStream_t s, int dev) {
     return launch_short<32>(p, s, dev);
 }
 

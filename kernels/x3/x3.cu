@@ -1,6 +1,6 @@
 // The x3 family (sm_90a): fp32 inputs as three fp16 wgmma products (rules.cuh describes the
 // scheme): the K/V scan and split, the attention kernel, and the 3xTF32 redo of CTAs that met
-// Inf or NaN. Its own library.
+// Inf or NaN. A unit per width (GQA_WIDTH).
 
 #include "x3/rules.cuh"
 #include "tiled/kernel.cuh"
@@ -106,10 +106,10 @@ cudaError_t launch_x3(const GqaParams& p, cudaStream_t stream, int dev) {
     return launch_tiles<kGqaFloat32, DP, 1>(redo, stream, dev);
 }
 
-// The library's launch, behind its entry point (GQA_FAMILY_ENTRY).
-cudaError_t family_launch(const GqaParams& p, const GqaPlan& plan, cudaStream_t s, int dev) {
+// The unit's launch, behind its entry point (GQA_FAMILY_ENTRY): one width (GQA_WIDTH).
+cudaError_t x3_launch(const GqaParams& p, const GqaPlan&, cudaStream_t s, int dev) {
     if (p.workspace == nullptr) return cudaErrorInvalidValue;
-    return plan.width == 64 ? launch_x3<64>(p, s, dev) : launch_x3<128>(p, s, dev);
+    return launch_x3<GQA_WIDTH>(p, s, dev);
 }
 
 }  // namespace
