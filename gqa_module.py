@@ -215,10 +215,28 @@ def _library_in_process(sha):
     return namespace
 
 
-def _build(name, what, cpp_source, cuda_source, cuda_flags, done=lambda: False):
-    """load_inline of one library into its own directory under the build root, once per machine;
-    returns the path of the loaded shared library (None when `done()` says, under the lock, that
-    another thread of this process has loaded it meanwhile).
+def _library(name, what, cpp_source, cuda_source, cuda_flags):
+    """load_inline's arguments for one library in its own directory under the build root, and
+    what the build message calls it."""
+    verbose = os.environ.get("GQA_BUILD_VERBOSE") == "1"
+    return {"what": what, "args": dict(
+        name=name,
+        cpp_sources=[cpp_source],
+        cuda_sources=[cuda_source],
+        extra_cflags=["-O2"],
+        extra_cuda_cflags=["-O3", "-std=c++17", "--split-compile=0"] + cuda_flags + (["-Xptxas=-v"] if verbose else []),
+        build_directory=os.path.join(_build_root(), name),
+        verbose=verbose,
+        with_cuda=True,
+        is_python_module=False,
+        no_implicit_headers=True,
+    )}
+
+
+def _build(library, done=lambda: False):
+    """Build `library` (see _library) once per machine and load it; returns the path of the loaded
+    shared library (None when `done()` says, under the lock, that another thread of this process
+    has loaded it meanwhile). The unit child (_UNIT_CHILD) runs the same steps.
 
     A lock beside the directory (filelock: an OS lock, released when its holder dies) serialises
     builds of it across threads and processes. torch's own lock file inside it, which a killed
@@ -226,7 +244,8 @@ def _build(name, what, cpp_source, cuda_source, cuda_flags, done=lambda: False):
     import filelock
     from torch.utils import cpp_extension
 
-    build_dir = os.path.join(_build_root(), name)
+    args = library["args"]
+    build_dir = args["build_directory"]
     os.makedirs(build_dir, exist_ok=True)
     with filelock.FileLock(build_dir + ".lock"):
         if done():
@@ -234,41 +253,37 @@ def _build(name, what, cpp_source, cuda_source, cuda_flags, done=lambda: False):
         stale = os.path.join(build_dir, "lock")
         if os.path.exists(stale):
             os.remove(stale)
-        if not os.path.exists(os.path.join(build_dir, name + ".so")):
-            print("gqa_module: compiling %s (first use; cached in %s)" % (what, build_dir), file=sys.stderr, flush=True)
-        verbose = os.environ.get("GQA_BUILD_VERBOSE") == "1"
-        return cpp_extension.load_inline(
-            name=name,
-            cpp_sources=[cpp_source],
-            cuda_sources=[cuda_source],
-            extra_cflags=["-O2"],
-            extra_cuda_cflags=["-O3", "-std=c++17", "--split-compile=0"] + cuda_flags + (["-Xptxas=-v"] if verbose else []),
-            build_directory=build_dir,
-            verbose=verbose,
-            with_cuda=True,
-            is_python_module=False,
-            no_implicit_headers=True,
-        )
+        if not os.path.exists(os.path.join(build_dir, args["name"] + ".so")):
+            print("gqa_module: compiling %s (first use; cached in %s)" % (library["what"], build_dir),
+                  file=sys.stderr, flush=True)
+        return cpp_extension.load_inline(**args)
 
 
-def load_extension():
+def load_extension(first_call=None):
     """Build (first time on this machine) and load the entry library; returns torch.ops.gqa_attn.
 
     Once per process: when the library is already loaded (by this module or by any copy of the
     bundle, whatever its TORCH_EXTENSIONS_DIR), its ops are reused if they were built from the
     same kernel sources, and a RuntimeError naming both sha256s is raised otherwise. The other
-    kernel units build on first use (load_unit)."""
+    kernel units build on first use (load_unit). `first_call`: the (q, k, v) of the call that
+    needs the library; when the entry library must be built, the unit their plan names is built
+    beside it, in a child process (_start_unit_child)."""
     global _OPS
     if _OPS is not None:
         return _OPS
     sha = kernel_source_sha256()
     if _library_in_process(sha) is None:
         _use_cuda_home(_cuda_home())
-        flags, sm90a, tag = _targets()
+        targets = _targets()
+        flags, sm90a, tag = targets
         files = _read_kernel_files()
-        _build("%s_%s_sm%s" % (_LIBRARY, sha[:12], tag), "the entry library",
-               _translation_unit(files, "binding.cpp"), _translation_unit(files, "attention.cu"),
-               flags + (["-DGQA_SM90A"] if sm90a else []), done=lambda: _library_in_process(sha) is not None)
+        entry = _library("%s_%s_sm%s" % (_LIBRARY, sha[:12], tag), "the entry library",
+                         _translation_unit(files, "binding.cpp"), _translation_unit(files, "attention.cu"),
+                         flags + (["-DGQA_SM90A"] if sm90a else []))
+        so = os.path.join(entry["args"]["build_directory"], entry["args"]["name"] + ".so")
+        if first_call is not None and not os.path.exists(so):
+            _start_unit_child(first_call, sha, targets, files)
+        _build(entry, done=lambda: _library_in_process(sha) is not None)
         namespace = getattr(torch.ops, _LIBRARY)
         if not hasattr(namespace, "_gqa_source_sha256"):
             namespace._gqa_source_sha256 = sha          # process-wide: every copy checks against it
@@ -290,21 +305,113 @@ def _load_unit(unit, dtype, width, sm90a):
     return load_unit(unit.decode(), dtype, width, bool(sm90a))
 
 
+def _unit_library(family, unit, dtype, width, sm90a, sha, targets, files):
+    """The library of one kernel unit (see _library): kernels/<family>/<family>.cu for one input
+    dtype and head_dim width, for the targets of the entry library or for sm_90a alone."""
+    flags, _, tag = targets
+    if sm90a:
+        flags, tag = ["-gencode=arch=compute_90a,code=sm_90a"], "90a"
+    source = "%s/%s.cu" % (family, family)
+    return _library("%s_%s_sm%s_%s" % (_LIBRARY, sha[:12], tag, unit.replace("/", "_")), "the %s kernels" % unit,
+                    "// the entry point is in kernels/%s\n" % source, _translation_unit(files, source),
+                    flags + ["-DGQA_DTYPE=%s" % dtype, "-DGQA_WIDTH=%s" % width])
+
+
 def load_unit(unit, dtype, width, sm90a=False):
     """Build (first time on this machine) and load one kernel unit, "family/dtype[/dWIDTH]": the
     family's source compiled for one input dtype (gqa_params.h's GqaDtype code) and head_dim width;
     returns the address of its entry point. attention.cu names the units and calls this."""
     ops = load_extension()
-    flags, _, tag = ops._gqa_targets
-    if sm90a:
-        flags, tag = ["-gencode=arch=compute_90a,code=sm_90a"], "90a"
+    _UNIT_CHILDREN[:] = [child for child in _UNIT_CHILDREN if child.poll() is None]
     family = unit.split("/")[0]
-    source = "%s/%s.cu" % (family, family)
-    path = _build("%s_%s_sm%s_%s" % (_LIBRARY, ops._gqa_source_sha256[:12], tag, unit.replace("/", "_")),
-                  "the %s kernels" % unit, "// the entry point is in kernels/%s\n" % source,
-                  _translation_unit(_read_kernel_files(), source),
-                  flags + ["-DGQA_DTYPE=%d" % dtype, "-DGQA_WIDTH=%d" % width])
+    path = _build(_unit_library(family, unit, dtype, width, sm90a, ops._gqa_source_sha256, ops._gqa_targets,
+                                _read_kernel_files()))
     return ctypes.cast(getattr(ctypes.CDLL(path), "gqa_launch_" + family), ctypes.c_void_p).value
+
+
+# The unit child: started by a first call that must build the entry library, it builds the plan
+# library (kernels/plan_library.cu, the plan alone: about a second), asks it which unit the call
+# will run, and builds that unit's library, while the parent builds the entry library; the parent's
+# loader then finds the unit built (it waits on the unit's lock if the child is still at it). It
+# reads its job from the JSON file named by its argument: the call's shape and device, the plan
+# library, and one unit library per (family, sm_90a) whose "{unit}", "{dtype}" and "{width}" it
+# fills in. The parent never waits for it; a child that fails costs nothing but its time (the
+# parent builds what it needs itself), and its errors go to the parent's stderr.
+_UNIT_CHILD = r"""
+import ctypes, json, os, sys
+import filelock
+from torch.utils import cpp_extension
+
+def build(library):
+    args = library["args"]
+    os.makedirs(args["build_directory"], exist_ok=True)
+    with filelock.FileLock(args["build_directory"] + ".lock"):
+        stale = os.path.join(args["build_directory"], "lock")
+        if os.path.exists(stale):
+            os.remove(stale)
+        return cpp_extension.load_inline(**args)
+
+with open(sys.argv[1]) as fh:
+    job = json.load(fh)
+os.remove(sys.argv[1])
+unit, width, sm90a = ctypes.create_string_buffer(32), ctypes.c_int(), ctypes.c_int()
+separate = ctypes.CDLL(build(job["plan"])).gqa_unit_for(*job["shape"], unit, 32, ctypes.byref(width), ctypes.byref(sm90a))
+if separate == 1:
+    library = job["units"]["%s/%d" % (unit.value.decode().split("/")[0], sm90a.value)]
+    fill = {"{unit}": unit.value.decode().replace("/", "_"), "{dtype}": str(job["shape"][5]), "{width}": str(width.value)}
+    args = library["args"]
+    for mark, text in fill.items():
+        args["name"] = args["name"].replace(mark, text)
+        args["build_directory"] = args["build_directory"].replace(mark, text)
+        args["extra_cuda_cflags"] = [flag.replace(mark, text) for flag in args["extra_cuda_cflags"]]
+    print("gqa_module: compiling the %s kernels beside the entry library (first use; cached in %s)"
+          % (unit.value.decode(), library["args"]["build_directory"]), file=sys.stderr, flush=True)
+    build(library)
+"""
+_UNIT_CHILDREN = []   # started unit children, kept so that they are waited for (not left as zombies)
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}   # gqa_params.h's GqaDtype
+
+
+def _start_unit_child(first_call, sha, targets, files):
+    """Start the unit child (_UNIT_CHILD) for a first call's (q, k, v), when they look like inputs
+    the kernels take; their rows count as 16-byte aligned when all three are contiguous on 16 bytes
+    (a wrong guess only builds a unit the call does not run)."""
+    import subprocess
+
+    q, k, v = first_call
+    tensors = all(isinstance(t, torch.Tensor) and t.is_cuda and t.dim() == 4 for t in (q, k, v))
+    if not tensors or q.dtype not in _DTYPE_CODES or q.dtype != k.dtype or q.dtype != v.dtype:
+        return
+    if max(q.shape) >= 2 ** 31 or k.shape[2] >= 2 ** 31:
+        return
+    aligned = all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v))
+    device = torch.cuda.get_device_properties(q.device)
+    B, T, Hq, D = q.shape
+    shape = (B, T, Hq, k.shape[2], D, _DTYPE_CODES[q.dtype], aligned, torch.backends.cuda.matmul.allow_tf32,
+             device.multi_processor_count, device.major)
+    job = _unit_job(shape, sha, targets, files)
+    _UNIT_CHILDREN.append(subprocess.Popen([sys.executable, "-c", _UNIT_CHILD, job], stdin=subprocess.DEVNULL,
+                                           stdout=subprocess.DEVNULL))
+
+
+def _unit_job(shape, sha, targets, files):
+    """The unit child's job file for `shape` (B, T, Hq, Hkv, D, dtype code, aligned, allow_tf32,
+    SM count, compute capability major), written under the build root; returns its path."""
+    import json
+    import tempfile
+
+    flags, sm90a, tag = targets
+    job = {"shape": [int(x) for x in shape],
+           "plan": _library("%s_%s_sm%s_plan" % (_LIBRARY, sha[:12], tag), "the plan library",
+                            "// the plan library is kernels/plan_library.cu\n", _translation_unit(files, "plan_library.cu"),
+                            flags + (["-DGQA_SM90A"] if sm90a else [])),
+           "units": {"%s/%d" % (family, unit_sm90a): _unit_library(family, "{unit}", "{dtype}", "{width}", unit_sm90a,
+                                                                   sha, targets, files)
+                     for family in ("rowwise", "short", "tiled", "wgmma", "x3") for unit_sm90a in (0, 1)}}
+    os.makedirs(_build_root(), exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="gqa_unit_job_", dir=_build_root(), delete=False) as fh:
+        json.dump(job, fh)
+    return fh.name
 
 
 def build_all():
@@ -370,6 +477,8 @@ if "torch._dynamo" in sys.modules:
 def causal_gqa_attention(q, k, v):
     """Causal GQA: q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq, D] in q's dtype."""
     if isinstance(q, torch.Tensor) and q.is_cuda:
+        if _OPS is None:
+            load_extension(first_call=(q, k, v))
         op = _FORWARD if _FORWARD is not None else _forward_op()
         return op(q, k, v)
     return _not_on_cuda(q, k, v)

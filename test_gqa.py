@@ -1300,18 +1300,48 @@ def test_killed_build_does_not_block_the_next(tmp_path):
 
 
 @needs_gpu
-def test_gpu_first_call_builds_only_the_entry_and_its_family(tmp_path):
-    """A first call at the harness shape in a fresh process builds the entry library alone (the short
-    family is compiled into it)."""
-    code = ("import torch, gqa_module\n"
-            "q, k, v = (torch.randn(2, 80, H, 32, device='cuda') for H in (8, 2, 2))\n"
-            "print(gqa_module.plan(q, k, v), bool(gqa_module.causal_gqa_attention(q, k, v).isfinite().all()))\n")
+@pytest.mark.parametrize("shape, dtype, unit", [((2, 80, 8, 2, 32), "float32", None),
+                                                ((1, 1024, 8, 2, 128), "bfloat16", "wgmma/bf16/d128")])
+def test_gpu_first_call_builds_the_entry_and_its_unit_at_once(tmp_path, shape, dtype, unit):
+    """A first call in a fresh process builds the entry library and, beside it in the unit child,
+    the plan library and the unit the call runs, each once; at the harness shape no unit (the short
+    family is compiled into the entry library)."""
+    code = ("import sys, torch, gqa_module\n"
+            "B, T, Hq, Hkv, D = %r\n"
+            "q, k, v = (torch.randn(B, T, H, D, device='cuda', dtype=torch.%s) for H in (Hq, Hkv, Hkv))\n"
+            "out = gqa_module.causal_gqa_attention(q, k, v)\n"
+            "print(gqa_module.plan(q, k, v), bool(out.isfinite().all()))\n" % (shape, dtype))
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
     run = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split() == ["short/fp32/d32", "True"], run.stdout
+    assert run.stdout.split() == [unit or "short/fp32/d32", "True"], run.stdout
     built = sorted(d for d in os.listdir(tmp_path) if os.path.isdir(tmp_path / d))
-    assert len(built) == 1, built   # the short family is compiled into the entry library
+    assert len(built) == (3 if unit else 2) and sum(d.endswith("_plan") for d in built) == 1, built
+    assert run.stderr.count("compiling the entry library") == 1, run.stderr[-3000:]
+    if unit:
+        assert run.stderr.count("compiling the %s kernels beside the entry library" % unit) == 1, run.stderr[-3000:]
+        assert "compiling the %s kernels (first use" % unit not in run.stderr
+
+
+def test_unit_child_builds_the_unit_load_unit_then_loads(tmp_path):
+    """The unit child, given a shape, builds the plan library and the unit its plan names, under
+    the names load_unit uses (no second build); for the harness shape, the plan library only."""
+    code = ("import subprocess, sys, gqa_module as g\n"
+            "g._use_cuda_home(g._cuda_home())\n"
+            "sha, targets, files = g.kernel_source_sha256(), g._targets(), g._read_kernel_files()\n"
+            "for shape in ((2, 80, 8, 2, 32, 0, 1, 0, 132, 9), (2, 100, 8, 2, 64, 1, 1, 0, 132, 9)):\n"
+            "    job = g._unit_job(shape, sha, targets, files)\n"
+            "    assert subprocess.run([sys.executable, '-c', g._UNIT_CHILD, job]).returncode == 0\n"
+            "print('unit', bool(g.load_unit('rowwise/fp16', 1, 0, False)))\n")
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
+    run = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["unit", "True"], run.stdout
+    assert run.stderr.count("compiling the rowwise/fp16 kernels beside the entry library") == 1, run.stderr[-3000:]
+    assert "compiling the rowwise/fp16 kernels (first use" not in run.stderr
+    built = sorted(d for d in os.listdir(tmp_path) if os.path.isdir(tmp_path / d))
+    assert [d.rsplit("_sm", 1)[1].split("_", 1)[-1] for d in built] == ["90a", "plan", "rowwise_fp16"], built
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".json")]   # the job files are removed
 
 
 @needs_gpu

@@ -1,6 +1,6 @@
-// Causal grouped-query attention, forward: the entry point. It holds what every call shares and
-// no attention kernel: the plan (which kernel a call runs), the workspace size, the dispatch to
-// the kernel families, and the two floor kernels the benchmark measures against.
+// Causal grouped-query attention, forward: the entry point. It holds what every call shares: the
+// plan (plan.cuh: which kernel a call runs), the workspace size, the dispatch to the kernel
+// units, and the two floor kernels the benchmark measures against.
 //
 //   q: (B, T, Hq, D)   k, v: (B, T, Hkv, D)   o: (B, T, Hq, D)
 //   o[b, t, h] = softmax_j<=t(q[b, t, h] . k[b, j, h / G] / sqrt(D)) . v[b, j, h / G],  G = Hq / Hkv
@@ -21,8 +21,7 @@
 #include <vector>
 
 #include "common/base.cuh"
-#include "rowwise/rules.cuh"
-#include "short/rules.cuh"
+#include "plan.cuh"
 #include "x3/rules.cuh"
 
 // The units compiled into this library: the short family and the fp32 row-wise family. Their
@@ -65,109 +64,10 @@ __global__ void __launch_bounds__(256) gqa_read_floor_kernel(const GqaParams p) 
     if (sink == 1.2345678e-30f) o[0] = q[0];   // keeps the K and V reads; never true for real data
 }
 
-// The wgmma and x3 families exist when their libraries can be built for sm_90a (the build then
-// defines GQA_SM90A); a plan takes them on a device of compute capability 9.0 only.
-#ifdef GQA_SM90A
-constexpr bool kHaveWgmma = true;
-#else
-constexpr bool kHaveWgmma = false;
-#endif
-
-// CTAs of 64 packed rows: the grid of every tiled variant but the 16-bit mma.sync one, of the x3
-// kernel and of its redo flags.
-constexpr int kTileRows = 64;
-
-// Short sequences, and head dims too small to feed a tensor-core tile, take the row-wise kernel.
-constexpr int kRowwiseMaxT = 128;
-constexpr int kRowwiseMaxD = 8;
-
-// ---------------------------------------------------------------------------------------------
-// The plan: one decision per call, from the shapes, dtype, row alignment and device. The
-// workspace size, the launch and plan() all read the same GqaPlan.
-//  - row-wise: T <= kRowwiseMaxT or head_dim <= kRowwiseMaxD. Small grids (one-row-per-warp CTAs
-//    at most two per SM) are latency-bound: 8 warps x 1 row; larger grids 4 warps x 4 rows, which
-//    share every key read. fp32 in 16-byte rows that fit one chunk addresses every copy before
-//    the wait for the previous grid ("planned").
-//  - short: fp32, 16-byte rows, head_dim 9..32, where the row-wise grid would be 8 x 1.
-//  - x3: fp32 on an sm_90a build, head_dim 33..128, 16-byte rows, allow_tf32 off, a grid of 64-row
-//    CTAs that fills the GPU.
-//  - wgmma: fp16 and bf16 on an sm_90a build, head_dim 33..128 (widths 64, 128), 16-byte rows.
-//  - tiled (mma.sync): everything else; fp32 at widths up to 128 splits each K/V tile over 8
-//    warps when 64-row CTAs would not give every SM one.
-GqaPlan make_plan(const GqaParams& p, const GqaDevice& dev) {
-    GqaPlan plan{};
-    plan.dtype = p.dtype;
-    plan.warps = 4;
-    plan.split = 1;
-    const bool fp32 = p.dtype == kGqaFloat32;
-    const int64_t sms = dev.sm_count > 0 ? dev.sm_count : 1;
-    if (p.T <= kRowwiseMaxT || p.D <= kRowwiseMaxD) {
-        const bool small_grid = packed_row_ctas(p, 8) <= 2 * sms;
-        if (fp32 && p.vec16 && p.T <= kShortMaxT && p.D > kRowwiseMaxD && p.D <= 32 && small_grid) {
-            plan.family = kGqaShort;
-            plan.width = 32;
-            plan.warps = kShortWarps;
-            return plan;
-        }
-        plan.family = kGqaRowwise;
-        plan.warps = small_grid ? 8 : 4;
-        plan.split = small_grid ? 1 : 4;
-        const int copies = rowwise_planned_copies(plan.split);
-        plan.planned = fp32 && p.vec16 && p.T <= rowwise_chunk_keys(p, plan.warps, plan.split) &&
-                       int64_t(plan.warps * plan.split + 2 * p.T) * (p.D / 4) <= int64_t(copies) * 32 * plan.warps;
-        return plan;
-    }
-    plan.width = p.D <= 32 ? 32 : p.D <= 64 ? 64 : p.D <= 128 ? 128 : 256;
-    if (kHaveWgmma && dev.cc_major == 9 && p.vec16 && p.D > 32 && p.D <= 128) {
-        if (!fp32) {
-            plan.family = kGqaWgmma;
-            return plan;
-        }
-        if (!p.tf32_single && int64_t(p.B) * p.Hkv <= 65535 && packed_row_ctas(p, kTileRows) >= sms) {
-            plan.family = kGqaX3;
-            return plan;
-        }
-    }
-    plan.family = kGqaTiled;
-    if (fp32 && plan.width <= 128 && packed_row_ctas(p, kTileRows) < sms) {
-        plan.warps = 8;
-        plan.split = 8;
-    }
-    return plan;
-}
-
-// Every plan make_plan can return on this build, for coverage checks.
-std::vector<GqaPlan> every_plan() {
-    std::vector<GqaPlan> plans;
-    auto add = [&](int family, int dtype, int width, int warps, int split, bool planned) {
-        GqaPlan plan{};
-        plan.family = family, plan.dtype = dtype, plan.width = width, plan.warps = warps, plan.split = split;
-        plan.planned = planned;
-        plans.push_back(plan);
-    };
-    for (int dtype : {kGqaFloat32, kGqaFloat16, kGqaBFloat16}) {
-        const bool fp32 = dtype == kGqaFloat32;
-        add(kGqaRowwise, dtype, 0, 8, 1, false);
-        if (fp32) add(kGqaRowwise, dtype, 0, 8, 1, true);
-        add(kGqaRowwise, dtype, 0, 4, 4, false);
-        if (fp32) add(kGqaShort, dtype, 32, kShortWarps, 1, false);
-        for (int width : {32, 64, 128, 256}) {
-            add(kGqaTiled, dtype, width, 4, 1, false);
-            if (fp32 && width <= 128) add(kGqaTiled, dtype, width, 8, 8, false);
-        }
-        if (kHaveWgmma) {
-            for (int width : {64, 128}) add(fp32 ? kGqaX3 : kGqaWgmma, dtype, width, 4, 1, false);
-        }
-    }
-    return plans;
-}
-
 // ---------------------------------------------------------------------------------------------
 // The dispatch: the entry of the plan's unit (family, input dtype, head_dim width), compiled in
 // (above) or asked once from the loader that the Python side registers (gqa_set_module_loader),
 // which builds and loads the unit's library on first use; kept for every later call.
-const char* const kFamilyNames[kGqaFamilies] = {"rowwise", "short", "tiled", "wgmma", "x3"};
-const char* const kDtypeNames[3] = {"fp32", "fp16", "bf16"};
 constexpr int kWidthSlots = 5;   // widths 0 (row-wise: any head_dim), 32, 64, 128, 256
 std::atomic<GqaLauncher> g_launchers[kGqaFamilies][3][kWidthSlots];
 std::atomic<GqaModuleLoader> g_loader{nullptr};
@@ -185,13 +85,8 @@ GqaLauncher launcher_for(const GqaPlan& plan) {
     const GqaModuleLoader loader = g_loader.load();
     if (loader == nullptr) return nullptr;
     char unit[32];
-    if (plan.width > 0) {
-        std::snprintf(unit, sizeof(unit), "%s/%s/d%d", kFamilyNames[plan.family], kDtypeNames[plan.dtype], plan.width);
-    } else {
-        std::snprintf(unit, sizeof(unit), "%s/%s", kFamilyNames[plan.family], kDtypeNames[plan.dtype]);
-    }
-    const bool sm90a = plan.family == kGqaWgmma || plan.family == kGqaX3;
-    launch = reinterpret_cast<GqaLauncher>(loader(unit, plan.dtype, plan.width, sm90a));
+    unit_name(plan, unit, int(sizeof(unit)));
+    launch = reinterpret_cast<GqaLauncher>(loader(unit, plan.dtype, plan.width, unit_needs_sm90a(plan)));
     if (launch != nullptr) slot.store(launch, std::memory_order_release);
     return launch;
 }
@@ -208,6 +103,10 @@ int gqa_device_facts(GqaDevice* out) {
 }
 
 GqaPlan gqa_make_plan(const GqaParams& p, const GqaDevice& dev) { return make_plan(p, dev); }
+
+GqaParams gqa_shape_params(int B, int T, int Hq, int Hkv, int D, int dtype, bool aligned, bool allow_tf32) {
+    return shape_params(B, T, Hq, Hkv, D, dtype, aligned, allow_tf32);
+}
 
 int gqa_plan_count() { return int(every_plan().size()); }
 GqaPlan gqa_plan_at(int i) { return every_plan().at(size_t(i)); }

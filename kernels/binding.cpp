@@ -176,11 +176,7 @@ std::string plan_for(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, c
     GQA_CHECK_ARG(D >= 1 && D <= kGqaMaxHeadDim, "head_dim D must be in 1..", num(kGqaMaxHeadDim), ", got ", num(D));
     GQA_CHECK_ARG(dtype_code(dtype) >= 0, "unsupported dtype ", c10::toString(dtype), ": expected float32, float16 or bfloat16");
     GQA_CHECK_ARG(sm_count >= 1, "sm_count must be at least 1, got ", num(sm_count));
-    GqaParams p{};
-    p.B = int(B), p.T = int(T), p.Hq = int(Hq), p.Hkv = int(Hkv), p.D = int(D), p.group = int(Hq / Hkv);
-    p.dtype = dtype_code(dtype);
-    p.tf32_single = dtype == c10::ScalarType::Float && allow_tf32;
-    p.vec16 = aligned && (D * int64_t(c10::elementSize(dtype))) % 16 == 0;
+    const GqaParams p = gqa_shape_params(int(B), int(T), int(Hq), int(Hkv), int(D), dtype_code(dtype), aligned, allow_tf32);
     GqaDevice dev{};
     dev.sm_count = int(sm_count), dev.cc_major = int(cc_major);
     return plan_name(gqa_make_plan(p, dev));

@@ -66,6 +66,8 @@ constexpr int kGqaModuleUnavailable = -1;
 // The ints below are cudaError_t values (0 on success); `stream` is a cudaStream_t.
 int gqa_device_facts(GqaDevice* out);   // of the current device
 GqaPlan gqa_make_plan(const GqaParams& params, const GqaDevice& device);
+// The parameters the plan reads for a shape with no tensors (plan.cuh's shape_params).
+GqaParams gqa_shape_params(int B, int T, int Hq, int Hkv, int D, int dtype, bool aligned, bool allow_tf32);
 // Every plan gqa_make_plan can return on this build, numbered 0..gqa_plan_count() - 1.
 int gqa_plan_count();
 GqaPlan gqa_plan_at(int index);
