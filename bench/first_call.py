@@ -96,9 +96,10 @@ def finish(proc, timeout=600):
     return record
 
 
-def run_cases(tmp):
+def run_cases(tmp, units=None):
     results = {"library_cold": [], "four_at_once": None, "killed_build": None, "arch_hopper": None}
-    for i, (shape, dtype, family) in enumerate(LIBRARY_CASES):
+    cases = [case for i, case in enumerate(LIBRARY_CASES) if i == 0 or units is None or case[2] in units]
+    for i, (shape, dtype, family) in enumerate(cases):
         record = finish(child(tmp / ("cold%d" % i), shape, dtype))
         record.update(shape=list(shape), dtype=dtype, library=family,
                       took_it=record.get("plan", "").startswith(family))
@@ -140,17 +141,22 @@ def run_cases(tmp):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out", help="where the JSON record goes")
+    parser.add_argument("--units", help="comma-separated units to run cold (the harness shape always runs); default: all")
     args = parser.parse_args(argv)
+    units = set(args.units.split(",")) if args.units else None
+    if units and units - {case[2] for case in LIBRARY_CASES}:
+        parser.error("unknown units: %s" % ", ".join(sorted(units - {case[2] for case in LIBRARY_CASES})))
     sys.path.insert(0, str(REPO_ROOT))
     import torch
     import gqa_module
 
     with tempfile.TemporaryDirectory(prefix="gqa_first_call_") as tmp:
-        results = run_cases(Path(tmp))
+        results = run_cases(Path(tmp), units)
     cold = [r.get("first_call_s") or float("inf") for r in results["library_cold"]]
     record = {
         "source_sha256": gqa_module.kernel_source_sha256(),
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+        "units": sorted(units) if units else "all",
         "harness_cold_s": cold[0], "slowest_cold_s": max(cold), "warm_s": results["warm"].get("first_call_s"),
         **results,
     }
