@@ -96,7 +96,8 @@ def finish(proc, timeout=600):
     return record
 
 
-def run_cases(tmp, units=None):
+def run_cases(tmp, units=None, checkpoint=lambda results: None):
+    """Every case in order; `checkpoint(results)` after each, so a run cut short still leaves its record."""
     results = {"library_cold": [], "four_at_once": None, "killed_build": None, "arch_hopper": None}
     cases = [case for i, case in enumerate(LIBRARY_CASES) if i == 0 or units is None or case[2] in units]
     for i, (shape, dtype, family) in enumerate(cases):
@@ -106,9 +107,11 @@ def run_cases(tmp, units=None):
         results["library_cold"].append(record)
         print("cold %-18s %-26s %6.2f s (plan %s)" % (family, shape, record.get("first_call_s", float("nan")),
                                                        record.get("plan")), flush=True)
+        checkpoint(results)
     warm = finish(child(tmp / "cold0", *HARNESS))
     results["warm"] = warm
     print("warm harness %.2f s" % warm.get("first_call_s", float("nan")), flush=True)
+    checkpoint(results)
 
     procs = [child(tmp / "four", *HARNESS) for _ in range(4)]
     records = [finish(p) for p in procs]
@@ -116,6 +119,7 @@ def run_cases(tmp, units=None):
                                "entry_builds": sum(r["entry_builds"] for r in records),
                                "first_call_s": [r.get("first_call_s") for r in records]}
     print("four at once: %s" % results["four_at_once"], flush=True)
+    checkpoint(results)
 
     victim = child(tmp / "killed", *HARNESS)
     deadline = time.time() + 120
@@ -129,6 +133,7 @@ def run_cases(tmp, units=None):
     results["killed_build"] = {"next_ok": after["returncode"] == 0 and bool(after.get("finite")),
                                "next_first_call_s": after.get("first_call_s"), "stderr_tail": after.get("stderr_tail")}
     print("killed build, next: %s" % results["killed_build"], flush=True)
+    checkpoint(results)
 
     extra = [list(s) + [dt] for s in SCALE_SHAPES for dt in ("float32", "bfloat16")]
     hopper = finish(child(tmp / "hopper", *HARNESS, env={"TORCH_CUDA_ARCH_LIST": "Hopper"}, extra_plans=extra))
@@ -150,20 +155,27 @@ def main(argv=None):
     import torch
     import gqa_module
 
+    def record(results, complete):
+        cold = [r.get("first_call_s") or float("inf") for r in results["library_cold"]]
+        return {
+            "source_sha256": gqa_module.kernel_source_sha256(), "complete": complete,
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+            "units": sorted(units) if units else "all",
+            "harness_cold_s": cold[0] if cold else None, "slowest_cold_s": max(cold) if cold else None,
+            "warm_s": (results.get("warm") or {}).get("first_call_s"),
+            **results,
+        }
+
+    def write(data):
+        with open(args.out, "w") as fh:
+            json.dump(data, fh, indent=1)
+
     with tempfile.TemporaryDirectory(prefix="gqa_first_call_") as tmp:
-        results = run_cases(Path(tmp), units)
-    cold = [r.get("first_call_s") or float("inf") for r in results["library_cold"]]
-    record = {
-        "source_sha256": gqa_module.kernel_source_sha256(),
-        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-        "units": sorted(units) if units else "all",
-        "harness_cold_s": cold[0], "slowest_cold_s": max(cold), "warm_s": results["warm"].get("first_call_s"),
-        **results,
-    }
-    with open(args.out, "w") as fh:
-        json.dump(record, fh, indent=1)
+        results = run_cases(Path(tmp), units, checkpoint=lambda partial: write(record(partial, False)))
+    data = record(results, True)
+    write(data)
     print("harness cold %.2f s, slowest cold %.2f s, warm %.2f s; wrote %s"
-          % (record["harness_cold_s"], record["slowest_cold_s"], record["warm_s"] or float("nan"), args.out))
+          % (data["harness_cold_s"], data["slowest_cold_s"], data["warm_s"] or float("nan"), args.out))
 
 
 if __name__ == "__main__":
