@@ -233,6 +233,11 @@ def _library(name, what, cpp_source, cuda_source, cuda_flags):
     )}
 
 
+def _built_path(library):
+    """Where the shared library of `library` (see _library) is once built."""
+    return os.path.join(library["args"]["build_directory"], library["args"]["name"] + ".so")
+
+
 def _build(library, done=lambda: False):
     """Build `library` (see _library) once per machine and load it; returns the path of the loaded
     shared library (None when `done()` says, under the lock, that another thread of this process
@@ -253,7 +258,7 @@ def _build(library, done=lambda: False):
         stale = os.path.join(build_dir, "lock")
         if os.path.exists(stale):
             os.remove(stale)
-        if not os.path.exists(os.path.join(build_dir, args["name"] + ".so")):
+        if not os.path.exists(_built_path(library)):
             print("gqa_module: compiling %s (first use; cached in %s)" % (library["what"], build_dir),
                   file=sys.stderr, flush=True)
         return cpp_extension.load_inline(**args)
@@ -280,8 +285,7 @@ def load_extension(first_call=None):
         entry = _library("%s_%s_sm%s" % (_LIBRARY, sha[:12], tag), "the entry library",
                          _translation_unit(files, "binding.cpp"), _translation_unit(files, "attention.cu"),
                          flags + (["-DGQA_SM90A"] if sm90a else []))
-        so = os.path.join(entry["args"]["build_directory"], entry["args"]["name"] + ".so")
-        if first_call is not None and not os.path.exists(so):
+        if first_call is not None and not os.path.exists(_built_path(entry)):
             _start_unit_child(first_call, sha, targets, files)
         _build(entry, done=lambda: _library_in_process(sha) is not None)
         namespace = getattr(torch.ops, _LIBRARY)
@@ -358,15 +362,16 @@ os.remove(sys.argv[1])
 unit, width, sm90a = ctypes.create_string_buffer(32), ctypes.c_int(), ctypes.c_int()
 separate = ctypes.CDLL(build(job["plan"])).gqa_unit_for(*job["shape"], unit, 32, ctypes.byref(width), ctypes.byref(sm90a))
 if separate == 1:
-    library = job["units"]["%s/%d" % (unit.value.decode().split("/")[0], sm90a.value)]
-    fill = {"{unit}": unit.value.decode().replace("/", "_"), "{dtype}": str(job["shape"][5]), "{width}": str(width.value)}
+    name = unit.value.decode()
+    library = job["units"]["%s/%d" % (name.split("/")[0], sm90a.value)]
+    fill = {"{unit}": name.replace("/", "_"), "{dtype}": str(job["shape"][5]), "{width}": str(width.value)}
     args = library["args"]
     for mark, text in fill.items():
         args["name"] = args["name"].replace(mark, text)
         args["build_directory"] = args["build_directory"].replace(mark, text)
         args["extra_cuda_cflags"] = [flag.replace(mark, text) for flag in args["extra_cuda_cflags"]]
     print("gqa_module: compiling the %s kernels beside the entry library (first use; cached in %s)"
-          % (unit.value.decode(), library["args"]["build_directory"]), file=sys.stderr, flush=True)
+          % (name, args["build_directory"]), file=sys.stderr, flush=True)
     build(library)
 """
 _UNIT_CHILDREN = []   # started unit children, kept so that they are waited for (not left as zombies)
