@@ -795,6 +795,28 @@ def test_gpu_every_plan_nonfinite_like_reference(name):
         assert_like_reference(out, q, k, v, "%s [%s]" % (name, "; ".join(labels)), bound)
 
 
+@needs_gpu
+@pytest.mark.parametrize("dtype, D", [(torch.float16, 128), (torch.bfloat16, 64), (torch.bfloat16, 96)])
+def test_gpu_wgmma_ring_of_stages_strided_kv_and_nonfinite(dtype, D):
+    """The wgmma family's shared-memory ring wrapped many times (T = 1000: up to 16 tiles of 64
+    keys per CTA), a group of 3 (CTAs of 128 packed rows start inside a time step), k and v as
+    strided views of one packed tensor (what its tensor maps read), and Inf and NaN in late tiles:
+    the float64 reference's non-finite elements exactly, the finite ones within check_half's bound."""
+    B, T, Hq, Hkv = 2, 1000, 6, 2
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    q, _, _ = make_qkv(B, T, Hq, Hkv, D, device="cuda", dtype=dtype)
+    kv = torch.randn(B, T, 2, Hkv, D, device="cuda").to(dtype)
+    k, v = kv[:, :, 0], kv[:, :, 1]
+    assert not k.is_contiguous() and gqa_module.plan(q, k, v) == "wgmma/%s/d%d" % (name, 64 if D <= 64 else 128)
+    bound = half_error_bound(q, k, v)
+    v[0, 700, 1, 5] = float("nan")      # batch 0, kv head 1: query heads 3..5 from step 700 on
+    v[1, 999, 0, 0] = float("inf")      # the last key: only the last step sees it
+    k[1, 640, 1, 7] = float("-inf")     # a tile's first key
+    q[0, 900, 0, 2] = float("inf")
+    out = call_poisoned(q, k, v)
+    assert_like_reference(out, q, k, v, "wgmma ring, strided kv, non-finite", bound)
+
+
 ACCURACY_SHAPES = [(2, 1024, 32, 8, 128), (1, 2048, 16, 4, 64), (2, 1536, 12, 4, 96)]
 
 

@@ -92,6 +92,16 @@ struct TileDivs {
     FastDiv group;   // G
 };
 
+// The grid of a kernel over packed rows: one CTA per (tile of `rows` packed rows, batch, kv head),
+// row tiles outermost; its divisors go to `dv`. Returns the CTA count, or -1 past 2^31 - 1.
+inline int64_t packed_tile_grid(const GqaParams& p, int rows, TileDivs& dv) {
+    const int64_t blocks = (int64_t(p.T) * p.group + rows - 1) / rows * p.B * p.Hkv;
+    dv.bh = FastDiv(p.B * p.Hkv);
+    dv.hkv = FastDiv(p.Hkv);
+    dv.group = FastDiv(p.group);
+    return blocks > 0x7fffffff ? -1 : blocks;
+}
+
 // Programmatic dependent launch (sm_90+): a kernel launched with it may start while the previous
 // kernel on the stream finishes; it must not touch global memory before grid_dependency_wait().
 // Elsewhere, or when launched without it, both are no-ops.

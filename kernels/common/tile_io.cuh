@@ -113,6 +113,69 @@ __device__ __forceinline__ bool own_tile_sw_zero_nonfinite(Elem* dst, bool bf16)
     return true;
 }
 
+// The online-softmax step of one row of an S tile held as accumulators h and h + 1 of each n-tile
+// by the quad of lanes that shares the row: the row max m (of the scaled log2 scores) and the
+// running sum l move on, S becomes P = exp2(S * scale_log2 - m + shift), and the factor that
+// brings O (and l) to the new max is returned. kShift: P carries 2^shift (x3's headroom).
+template <int kNTiles, bool kShift = false>
+__device__ __forceinline__ float softmax_row(float (&st)[kNTiles][4], int h, float& m, float& l, float scale_log2,
+                                             float shift = 0.f) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kNTiles; ++j) mx = fmaxf(mx, fmaxf(st[j][h], st[j][h + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m, mx * scale_log2);
+    // -inf only while every key seen for the row is masked (key-split warps past the row's time
+    // step) or when the scores are not finite.
+    const float m_ref = m_new == -INFINITY ? 0.f : m_new;
+    const float m_exp = kShift ? m_ref - shift : m_ref;
+    const float f = fast_exp2(m - m_ref);
+    l *= f;
+    m = m_new;
+#pragma unroll
+    for (int j = 0; j < kNTiles; ++j) {
+        st[j][h] = fast_exp2(fmaf(st[j][h], scale_log2, -m_exp));
+        st[j][h + 1] = fast_exp2(fmaf(st[j][h + 1], scale_log2, -m_exp));
+        l += st[j][h] + st[j][h + 1];
+    }
+    return f;
+}
+
+// The wgmma variants' exact step for a tile of 16-bit V with Inf or NaN, which the tile's shared
+// copy holds as zeros (so the product adds every finite value): O += P V over the attended keys
+// key0.. and V's non-finite values only, read from global memory (`v` is the head's key 0, rows
+// `v_stride_t` apart). s: P of a warp's 16 rows (this thread's rows at time steps row_t), o: O.
+// The key loops stay rolled except over the n-tiles: s must stay in registers.
+template <int kNTiles, int kDTiles>
+__device__ __forceinline__ void add_nonfinite_pv(float (&o)[kDTiles][4], const float (&s)[kNTiles][4], const int (&row_t)[2],
+                                                 int key0, const Half16* v, int64_t v_stride_t, int T, int D, bool bf16) {
+    const int lane = int(threadIdx.x) % 32, tig = lane & 3;
+#pragma unroll
+    for (int j = 0; j < kNTiles; ++j)
+#pragma unroll 1
+        for (int kk8 = 0; kk8 < 8; ++kk8) {
+            const int key = key0 + j * 8 + kk8;
+            const float own0 = (kk8 & 1) ? s[j][1] : s[j][0];
+            const float own1 = (kk8 & 1) ? s[j][3] : s[j][2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const float pk = __shfl_sync(0xffffffffu, i ? own1 : own0, (lane & ~3) | (kk8 >> 1));
+                // Padding rows past the last time step would reach keys past T: none exist.
+                if (key > row_t[i] || key >= T) continue;
+                const Half16* vr = v + int64_t(key) * v_stride_t;
+#pragma unroll
+                for (int d = 0; d < kDTiles; ++d)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int c = d * 8 + 2 * tig + e;
+                        const float x = c < D ? to_float(vr[c], bf16) : 0.f;
+                        if (!isfinite(x)) o[d][2 * i + e] = fmaf(pk, x, o[d][2 * i + e]);
+                    }
+            }
+        }
+}
+
 // x3: the CTA's Q tile (BM rows of D fp32 values from row_ptr, null rows and columns past D as
 // zeros), times 2^e with e from its largest finite |x|, stored as fp16 hi and lo tiles in the
 // swizzled layout. Returns whether the tile holds Inf or NaN (the same answer in every thread).

@@ -174,28 +174,8 @@ gqa_fwd_kernel(const GqaParams p, const TileDivs dv) {
         }
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
-            float(&st)[kNTiles][4] = s[r >> 1];
-            const int h = 2 * (r & 1);   // the row's first accumulator in each n-tile
-            float mx = -INFINITY;
-#pragma unroll
-            for (int j = 0; j < kNTiles; ++j) mx = fmaxf(mx, fmaxf(st[j][h], st[j][h + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(m[r], mx * scale_log2);
-            // -inf only while every key this warp has seen for the row is masked (key-split
-            // warps past the row's time step) or when the scores are not finite.
-            const float m_ref = m_new == -INFINITY ? 0.f : m_new;
-            const float m_exp = kX3 ? m_ref - kX3PShift : m_ref;   // x3: P times 2^kX3PShift
-            f[r] = fast_exp2(m[r] - m_ref);
-            l[r] *= f[r];
+            f[r] = softmax_row<kNTiles, kX3>(s[r >> 1], 2 * (r & 1), m[r], l[r], scale_log2, kX3PShift);
             if constexpr (!kWg) rescale_o(r, f[r]);   // no P V in flight here
-            m[r] = m_new;
-#pragma unroll
-            for (int j = 0; j < kNTiles; ++j) {
-                st[j][h] = fast_exp2(fmaf(st[j][h], scale_log2, -m_exp));
-                st[j][h + 1] = fast_exp2(fmaf(st[j][h + 1], scale_log2, -m_exp));
-                l[r] += st[j][h] + st[j][h + 1];
-            }
         }
     };
     // O += P V in exact fp32 over the attended keys only, for a tile with Inf or NaN: a masked
@@ -228,33 +208,9 @@ gqa_fwd_kernel(const GqaParams p, const TileDivs dv) {
                 }
     };
 
-    // wgmma: O += P V over the attended keys of tile key0.. for V's non-finite values only, read
-    // from global memory (the shared copy holds zeros there, and the mma adds the rest).
-    // Its key loops stay rolled except over the n-tiles: S must stay in registers.
+    // wgmma: O += P V of tile key0.. for V's non-finite values (add_nonfinite_pv).
     auto scalar_pv_nonfinite = [&](const float (&s)[MT][kNTiles][4], int key0) {
-#pragma unroll
-        for (int j = 0; j < kNTiles; ++j)
-#pragma unroll 1
-            for (int kk8 = 0; kk8 < 8; ++kk8) {
-                const int key = key0 + j * 8 + kk8;
-                const float own0 = (kk8 & 1) ? s[0][j][1] : s[0][j][0];
-                const float own1 = (kk8 & 1) ? s[0][j][3] : s[0][j][2];
-#pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    const float pk = __shfl_sync(0xffffffffu, i ? own1 : own0, (lane & ~3) | (kk8 >> 1));
-                    // Padding rows past the last time step would reach keys past T: none exist.
-                    if (key > row_t[i] || key >= T) continue;
-                    const Elem* vr = v_base + int64_t(key) * p.v_stride_t;
-#pragma unroll
-                    for (int d = 0; d < kDTiles; ++d)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int c = d * 8 + 2 * tig + e;
-                            const float x = c < p.D ? to_float(vr[c], bf16) : 0.f;
-                            if (!isfinite(x)) o[0][d][2 * i + e] = fmaf(pk, x, o[0][d][2 * i + e]);
-                        }
-                }
-            }
+        if constexpr (kWg && kHalf) add_nonfinite_pv(o[0], s[0], row_t, key0, v_base, p.v_stride_t, T, p.D, bf16);
     };
 
     if constexpr (kX3) {
@@ -507,13 +463,9 @@ cudaError_t launch_tiles(const GqaParams& p, cudaStream_t stream, int dev) {
     static bool raised[kMaxDevices] = {};
     const cudaError_t err = raise_smem_limit(kernel, Tr::kSmemBytes, dev, raised);
     if (err != cudaSuccess) return err;
-    const int64_t n_qtiles = (int64_t(p.T) * p.group + Tr::kBlockM - 1) / Tr::kBlockM;
-    const int64_t blocks = n_qtiles * p.B * p.Hkv;
-    if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
     TileDivs dv;
-    dv.bh = FastDiv(p.B * p.Hkv);
-    dv.hkv = FastDiv(p.Hkv);
-    dv.group = FastDiv(p.group);
+    const int64_t blocks = packed_tile_grid(p, Tr::kBlockM, dv);
+    if (blocks < 0) return cudaErrorInvalidConfiguration;
     kernel<<<unsigned(blocks), Tr::kThreads, Tr::kSmemBytes, stream>>>(p, dv);
     return cudaGetLastError();
 }

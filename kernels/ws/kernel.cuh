@@ -1,0 +1,336 @@
+// The warp-specialised 16-bit forward (sm_90a): one producer warpgroup and two consumer
+// warpgroups per CTA of 128 packed rows. The producer's first warp loads K and V tiles with TMA
+// into a ring of shared-memory stages (an mbarrier per stage says "landed", another "free"); its
+// other three warps scan each landed V tile for Inf and NaN (zeroing them, as the tiled wgmma
+// variant does) and then say "ready". Each consumer warpgroup owns 64 of the CTA's rows and runs
+// the tiled wgmma variant's software pipeline over the shared stages: S of tile n + 1 and its
+// softmax while P V of tile n is in flight.
+#ifndef GQA_WS_KERNEL_CUH
+#define GQA_WS_KERNEL_CUH
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include "common/tile_io.cuh"
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// mbarrier and TMA primitives (sm_90).
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+// One arrival that also tells the barrier to wait for `bytes` of TMA transactions.
+__device__ __forceinline__ void mbar_arrive_expect(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// Waits for the completion of the barrier's phase of this parity (phase k has parity k % 2).
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+    asm volatile("{\n.reg .pred done;\nWS_WAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WS_WAIT;\n}\n" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+// A box of the 4-D tensor map (coordinates innermost first) into shared memory; completes on `bar`.
+__device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
+                 ::"r"(smem_addr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+                 : "memory");
+}
+// Register reallocation between warpgroups (every thread of the warpgroup executes it).
+template <int N> __device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N> __device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
+// A barrier among the two consumer warpgroups only (id 1; id 0 is __syncthreads).
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
+// Ping-pong between the consumer warpgroups: barrier 2 + w is warpgroup w's turn to issue its
+// products. It waits there (128 threads) for the other warpgroup's arrival (128 more), issues,
+// then arrives at the other's barrier: one warpgroup's softmax runs under the other's products.
+__device__ __forceinline__ void turn_wait(int wg) { asm volatile("bar.sync %0, 256;\n" ::"r"(2 + wg) : "memory"); }
+__device__ __forceinline__ void turn_pass(int wg) { asm volatile("bar.arrive %0, 256;\n" ::"r"(3 - wg) : "memory"); }
+
+// ---------------------------------------------------------------------------------------------
+// Configuration. 64-key tiles (one wgmma n64 for S); a stage holds a K and a V tile in 64-column
+// blocks of [64 keys][128 bytes], the layout TMA's 128-byte swizzle writes and the wgmma
+// descriptors read (sw128_offset).
+template <int DP> struct WsTraits {
+    static constexpr int kBlockM = 128;                 // packed rows per CTA: 64 per consumer warpgroup
+    static constexpr int kKeys = 64;                    // keys per tile
+    static constexpr int kThreads = 384;                // producer warpgroup, then two consumers
+    static constexpr int kStages = DP == 64 ? 6 : 4;
+    static constexpr bool kPingPong = true;             // the consumers take turns issuing products
+    static constexpr int kTileBytes = kKeys * DP * 2;   // one K or V tile
+    static constexpr int kQBytes = kBlockM * DP * 2;
+    static constexpr size_t kSmemBytes = 1024 + size_t(kQBytes) + size_t(2) * kStages * kTileBytes;
+    static_assert(DP == 64 || DP == 128, "head_dim widths 64 and 128");
+};
+
+// The K and V tensor maps: dims (D, Hkv, T, B), boxes of 64 columns x 1 head x 64 keys x 1 batch;
+// keys past T and columns past D read as zeros.
+struct WsMaps {
+    CUtensorMap k, v;
+};
+
+template <int kDtype, int DP>
+__global__ void __launch_bounds__(384, 1)
+gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const TileDivs dv) {
+    using Tr = WsTraits<DP>;
+    using Elem = Half16;
+    constexpr bool bf16 = kDtype == kGqaBFloat16;
+    constexpr int BM = Tr::kBlockM, TK = Tr::kKeys, S = Tr::kStages;
+    constexpr int kNTiles = TK / 8;   // n-tiles of S per warp row
+    constexpr int kDTiles = DP / 8;   // n-tiles of O
+
+    extern __shared__ float4 smem_raw[];
+    unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) / 1024 * 1024);
+    Elem* sQ = reinterpret_cast<Elem*>(base);                                   // [DP / 64][BM][64], swizzled
+    auto sK = [&](int st) { return reinterpret_cast<Elem*>(base + Tr::kQBytes + st * 2 * Tr::kTileBytes); };
+    auto sV = [&](int st) { return sK(st) + TK * DP; };
+    __shared__ uint64_t full[S], ready[S], empty[S];   // landed (TMA), scanned, free (consumers done)
+    __shared__ int bad_tile[S];                        // n + 1 when tile n in the stage had Inf/NaN in V
+
+    const int G = p.group, T = p.T;
+    const int bh_count = p.B * p.Hkv;
+    const int rows_total = T * G;
+    const int n_qtiles = (rows_total + BM - 1) / BM;
+    const int bh_tile = dv.bh.div(int(blockIdx.x));   // longest rows first, as the tiled kernel
+    const int qtile = n_qtiles - 1 - bh_tile;
+    const int bh = int(blockIdx.x) - bh_tile * bh_count;
+    const int b = dv.hkv.div(bh), kvh = bh - b * p.Hkv;
+    const int r0 = qtile * BM;
+    const int t_lo = dv.group.div(r0);
+    const int t_hi = min(dv.group.div(r0 + BM - 1), T - 1);
+    const int n_kv = t_hi / TK + 1;
+
+    if (threadIdx.x == 0) {
+        for (int st = 0; st < S; ++st) {
+            mbar_init(&full[st], 1);
+            mbar_init(&ready[st], 96);
+            mbar_init(&empty[st], 256);
+            bad_tile[st] = 0;
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (warp < 4) {
+        // ----------------------------------------------------------------------------- producer
+        regs_dec<40>();   // 40 + 2 x 232 registers per thread of a warpgroup fit the SM's 64K
+        if (warp == 0) {
+            if (lane == 0) {
+                for (int n = 0; n < n_kv; ++n) {
+                    const int st = n % S;
+                    if (n >= S) mbar_wait(&empty[st], uint32_t((n / S - 1) & 1));
+                    mbar_arrive_expect(&full[st], uint32_t(2 * Tr::kTileBytes));
+#pragma unroll
+                    for (int blk = 0; blk < DP / 64; ++blk) {
+                        tma_load_4d(sK(st) + blk * TK * 64, &maps.k, &full[st], blk * 64, kvh, n * TK, b);
+                        tma_load_4d(sV(st) + blk * TK * 64, &maps.v, &full[st], blk * 64, kvh, n * TK, b);
+                    }
+                }
+            }
+            return;
+        }
+        // Warps 1-3: Inf and NaN in V of a tile that some row of the CTA masks become zeros in
+        // shared memory (the consumers add them exactly from global memory instead); elsewhere
+        // the products already give the reference's values.
+        const int tid = threadIdx.x - 32;
+        const uint32_t field = bf16 ? 0x7f807f80u : 0x7c007c00u;
+        const uint32_t unit = bf16 ? 0x00800080u : 0x04000400u;
+        auto carries = [&](uint32_t w) { return ((w & field) + unit) & 0x80008000u; };
+        for (int n = 0; n < n_kv; ++n) {
+            const int st = n % S;
+            mbar_wait(&full[st], uint32_t((n / S) & 1));
+            if (n * TK + TK - 1 > t_lo) {
+                uint4* chunks = reinterpret_cast<uint4*>(sV(st));
+                bool hit = false;
+                for (int i = tid; i < TK * DP / 8; i += 96) {
+                    uint4 w = chunks[i];
+                    const uint32_t c0 = carries(w.x), c1 = carries(w.y), c2 = carries(w.z), c3 = carries(w.w);
+                    if ((c0 | c1 | c2 | c3) == 0) continue;
+                    auto keep = [](uint32_t c) {
+                        return (c & 0x8000u ? 0xffff0000u : 0xffffffffu) & (c & 0x80000000u ? 0x0000ffffu : 0xffffffffu);
+                    };
+                    w.x &= keep(c0), w.y &= keep(c1), w.z &= keep(c2), w.w &= keep(c3);
+                    chunks[i] = w;
+                    hit = true;
+                }
+                if (hit) bad_tile[st] = n + 1;   // every writer writes the same value
+                fence_async_proxy();              // the zeros, before the consumers' wgmma reads
+            }
+            mbar_arrive(&ready[st]);
+        }
+        return;
+    }
+
+    // --------------------------------------------------------------------------------- consumers
+    regs_inc<232>();
+    const int ct = threadIdx.x - 128;            // 0..255
+    const int wg = ct / 128;                     // consumer warpgroup: rows wg * 64 .. + 63
+    const int cw = (ct % 128) / 32;              // warp within the warpgroup
+    const int gid = lane >> 2, tig = lane & 3;
+    const HeadRows<Elem> head(p, b, kvh);
+    {   // Q: the CTA's 128 rows, zeros past the last row and past D
+        constexpr int kChunks = DP / 8;
+        for (int i = ct; i < BM * kChunks; i += 256) {
+            const int r = i / kChunks, c = (i % kChunks) * 8;
+            const Elem* src = head.q_row(p, dv.group, r0 + r, rows_total);
+            const bool ok = src != nullptr && c < p.D;
+            cp_async16(reinterpret_cast<unsigned char*>(sQ) + sw128_offset(r, c, BM), ok ? src + c : head.q, ok ? 16 : 0);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        fence_async_proxy();
+        consumers_sync();
+    }
+
+    const int row0 = r0 + wg * 64 + cw * 16;     // the warp's first packed row
+    int row_t[2];                                // time steps of this thread's rows gid and gid + 8
+    row_t[0] = dv.group.div(row0 + gid);
+    row_t[1] = dv.group.div(row0 + gid + 8);
+    const int warp_t_lo = dv.group.div(row0);
+    const float scale_log2 = p.scale_log2;
+    float o[kDTiles][4];
+#pragma unroll
+    for (int d = 0; d < kDTiles; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    float s[kNTiles][4];   // S, then P, of the tile in hand
+    float f[2];            // O's rescale factors from the last softmax
+
+    auto mask_softmax = [&](int key0) {
+        if (key0 + TK - 1 > warp_t_lo) {
+#pragma unroll
+            for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (key0 + j * 8 + 2 * tig + (e & 1) > row_t[e >> 1]) s[j][e] = -INFINITY;
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) f[r] = softmax_row<kNTiles>(s, 2 * r, m[r], l[r], scale_log2);
+    };
+    auto scalar_pv_nonfinite = [&](int key0) { add_nonfinite_pv(o, s, row_t, key0, head.v, p.v_stride_t, T, p.D, bf16); };
+    auto issue_qk = [&](int n) { qk_wgmma<bf16, DP, BM, TK>(s, sQ, wg * 64, sK(n % S)); };
+
+    // The pipeline of the tiled wgmma variant, with the stages' barriers in place of its copies.
+    // Ping-pong: warpgroup 0 goes first; each issue is one turn, n_kv + 1 turns each, and warpgroup
+    // 1 gives up its last pass (nobody waits for it), so every barrier ends balanced.
+    constexpr bool kPP = Tr::kPingPong;
+    if (kPP && wg == 1) turn_pass(wg);
+    mbar_wait(&ready[0], 0);
+    bool nonfinite = bad_tile[0] == 1;
+    if (kPP) turn_wait(wg);
+    issue_qk(0);
+    wg_commit();
+    if (kPP) turn_pass(wg);
+    wg_wait<0>();
+    fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));
+    mask_softmax(0);   // O is still zero: f needs no applying
+    for (int n = 0; n + 1 < n_kv; ++n) {
+        const int next = (n + 1) % S;
+        mbar_wait(&ready[next], uint32_t(((n + 1) / S) & 1));
+        const bool next_nonfinite = bad_tile[next] == n + 2;
+        if (nonfinite) scalar_pv_nonfinite(n * TK);
+        uint32_t pa[4][4];   // P of tile n; read by the wgmma until it completes
+        pack_p<bf16>(pa, s);
+        if (kPP) turn_wait(wg);
+        issue_qk(n + 1);
+        wg_commit();
+        pv_wgmma<bf16, DP, TK>(o, pa, sV(n % S));
+        wg_commit();
+        if (kPP) turn_pass(wg);
+        wg_wait<1>();
+        fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));
+        mask_softmax((n + 1) * TK);
+        wg_wait<0>();
+        fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
+        mbar_arrive(&empty[n % S]);   // this warpgroup is done with tile n's stage
+#pragma unroll
+        for (int d = 0; d < kDTiles; ++d) {
+            o[d][0] *= f[0], o[d][1] *= f[0];
+            o[d][2] *= f[1], o[d][3] *= f[1];
+        }
+        nonfinite = next_nonfinite;
+    }
+    if (nonfinite) scalar_pv_nonfinite((n_kv - 1) * TK);
+    {
+        uint32_t pa[4][4];
+        pack_p<bf16>(pa, s);
+        if (kPP) turn_wait(wg);
+        pv_wgmma<bf16, DP, TK>(o, pa, sV((n_kv - 1) % S));
+        wg_commit();
+        if (kPP && wg == 0) turn_pass(wg);
+        wg_wait<0>();
+        fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
+    }
+
+    // Epilogue: l across the quad that shares a row, then normalise and store column pairs.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+    }
+    Elem* o_base = static_cast<Elem*>(p.o) + b * p.o_stride_b + int64_t(kvh) * G * p.o_stride_h;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int R = row0 + gid + 8 * r;
+        if (R >= rows_total) continue;
+        const float inv = 1.f / l[r];
+        Elem* dst = o_base + int64_t(row_t[r]) * p.o_stride_t + int64_t(R - row_t[r] * G) * p.o_stride_h;
+#pragma unroll
+        for (int d = 0; d < kDTiles; ++d) {
+            const int c = d * 8 + 2 * tig;
+            if (c < p.D) store_pair(dst + c, o[d][2 * r] * inv, o[d][2 * r + 1] * inv, bf16);
+        }
+    }
+}
+
+// A 4-D tensor map over K or V (dims D, Hkv, T, B; element strides of the last three), boxes of
+// 64 x 1 x 64 x 1 in the 128-byte swizzle. cuTensorMapEncodeTiled comes through the runtime's
+// driver entry point, so the library links no libcuda.
+inline cudaError_t ws_tensor_map(CUtensorMap* map, const void* data, const GqaParams& p, int64_t stride_h,
+                                 int64_t stride_t, int64_t stride_b, bool bf16) {
+    static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+    if (encode == nullptr) {
+        cudaDriverEntryPointQueryResult found{};
+        void* fn = nullptr;
+        const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
+        if (err != cudaSuccess) return err;
+        if (found != cudaDriverEntryPointSuccess || fn == nullptr) return cudaErrorNotSupported;
+        encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+    }
+    const cuuint64_t dims[4] = {cuuint64_t(p.D), cuuint64_t(p.Hkv), cuuint64_t(p.T), cuuint64_t(p.B)};
+    const cuuint64_t strides[3] = {cuuint64_t(stride_h) * 2, cuuint64_t(stride_t) * 2, cuuint64_t(stride_b) * 2};
+    const cuuint32_t box[4] = {64, 1, 64, 1};
+    const cuuint32_t steps[4] = {1, 1, 1, 1};
+    const CUresult res = encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
+                                const_cast<void*>(data), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+// Launches the warp-specialised kernel over every 128-row tile (16-byte-aligned rows only).
+template <int kDtype, int DP>
+cudaError_t launch_ws(const GqaParams& p, cudaStream_t stream, int dev) {
+    using Tr = WsTraits<DP>;
+    auto kernel = gqa_ws_kernel<kDtype, DP>;
+    static bool raised[kMaxDevices] = {};
+    cudaError_t err = raise_smem_limit(kernel, Tr::kSmemBytes, dev, raised);
+    if (err != cudaSuccess) return err;
+    const bool bf16 = kDtype == kGqaBFloat16;
+    WsMaps maps;
+    err = ws_tensor_map(&maps.k, p.k, p, p.k_stride_h, p.k_stride_t, p.k_stride_b, bf16);
+    if (err == cudaSuccess) err = ws_tensor_map(&maps.v, p.v, p, p.v_stride_h, p.v_stride_t, p.v_stride_b, bf16);
+    if (err != cudaSuccess) return err;
+    TileDivs dv;
+    const int64_t blocks = packed_tile_grid(p, Tr::kBlockM, dv);
+    if (blocks < 0) return cudaErrorInvalidConfiguration;
+    kernel<<<unsigned(blocks), Tr::kThreads, Tr::kSmemBytes, stream>>>(maps, p, dv);
+    return cudaGetLastError();
+}
+
+}  // namespace
+#endif  // GQA_WS_KERNEL_CUH
