@@ -659,9 +659,10 @@ PLAN_CASES = {
     "tiled/fp16/d32": (25, 200, 4, 2, 32, False),
     "tiled/fp16/d64": (25, 200, 4, 2, 64, True),
     "tiled/fp16/d128": (25, 200, 4, 2, 100, False),
-    "tiled/fp16/d256": (25, 200, 4, 2, 256, False),
+    "tiled/fp16/d256": (25, 200, 4, 2, 256, True),
     "wgmma/fp16/d64": (25, 200, 4, 2, 40, False),
     "wgmma/fp16/d128": (25, 200, 4, 2, 128, False),
+    "wgmma/fp16/d256": (25, 200, 4, 2, 136, False),
     "rowwise/bf16/8x1": (10, 100, 2, 2, 8, False),
     "rowwise/bf16/4x4": (25, 300, 4, 2, 5, False),
     "tiled/bf16/d32": (25, 200, 6, 2, 17, False),
@@ -670,6 +671,7 @@ PLAN_CASES = {
     "tiled/bf16/d256": (25, 200, 4, 2, 129, False),
     "wgmma/bf16/d64": (25, 200, 4, 2, 64, False),
     "wgmma/bf16/d128": (25, 200, 4, 2, 80, False),
+    "wgmma/bf16/d256": (25, 200, 4, 2, 256, False),
 }
 
 
@@ -796,7 +798,8 @@ def test_gpu_every_plan_nonfinite_like_reference(name):
 
 
 @needs_gpu
-@pytest.mark.parametrize("dtype, D", [(torch.float16, 128), (torch.bfloat16, 64), (torch.bfloat16, 96)])
+@pytest.mark.parametrize("dtype, D", [(torch.float16, 128), (torch.bfloat16, 64), (torch.bfloat16, 96),
+                                      (torch.float16, 256)])
 def test_gpu_wgmma_ring_of_stages_strided_kv_and_nonfinite(dtype, D):
     """The wgmma family's shared-memory ring wrapped many times (T = 1000: up to 16 tiles of 64
     keys per CTA), a group of 3 (CTAs of 128 packed rows start inside a time step), k and v as
@@ -807,7 +810,8 @@ def test_gpu_wgmma_ring_of_stages_strided_kv_and_nonfinite(dtype, D):
     q, _, _ = make_qkv(B, T, Hq, Hkv, D, device="cuda", dtype=dtype)
     kv = torch.randn(B, T, 2, Hkv, D, device="cuda").to(dtype)
     k, v = kv[:, :, 0], kv[:, :, 1]
-    assert not k.is_contiguous() and gqa_module.plan(q, k, v) == "wgmma/%s/d%d" % (name, 64 if D <= 64 else 128)
+    width = 64 if D <= 64 else 128 if D <= 128 else 256
+    assert not k.is_contiguous() and gqa_module.plan(q, k, v) == "wgmma/%s/d%d" % (name, width)
     bound = half_error_bound(q, k, v)
     v[0, 700, 1, 5] = float("nan")      # batch 0, kv head 1: query heads 3..5 from step 700 on
     v[1, 999, 0, 0] = float("inf")      # the last key: only the last step sees it

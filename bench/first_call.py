@@ -35,8 +35,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HARNESS = ((2, 80, 8, 2, 32), "float32")
 # (shape, dtype, the plan's unit): one per kernel library a call can build (the short and fp32
-# row-wise units live in the entry library). Head dims 60 and 116 in 16-bit give rows that are not
-# 16-byte multiples, which the tiled family takes at widths 64 and 128.
+# row-wise units live in the entry library). Head dims 60, 116 and 252 in 16-bit give rows that are
+# not 16-byte multiples, which the tiled family takes at widths 64, 128 and 256.
 LIBRARY_CASES = (
     (HARNESS[0], HARNESS[1], "short/fp32/d32"),
     ((2, 100, 8, 2, 64), "float32", "rowwise/fp32"),
@@ -44,9 +44,9 @@ LIBRARY_CASES = (
     ((2, 100, 8, 2, 64), "bfloat16", "rowwise/bf16"),
     *(((1, 300, 4, 1, d), "float32", "tiled/fp32/d%d" % w) for d, w in ((32, 32), (64, 64), (128, 128), (256, 256))),
     *(((1, 300, 4, 1, d), dt, "tiled/%s/d%d" % (name, w))
-      for dt, name in (("float16", "fp16"), ("bfloat16", "bf16")) for d, w in ((32, 32), (60, 64), (116, 128), (256, 256))),
+      for dt, name in (("float16", "fp16"), ("bfloat16", "bf16")) for d, w in ((32, 32), (60, 64), (116, 128), (252, 256))),
     *(((1, 1024, 8, 2, d), dt, "wgmma/%s/d%d" % (name, d))
-      for dt, name in (("float16", "fp16"), ("bfloat16", "bf16")) for d in (64, 128)),
+      for dt, name in (("float16", "fp16"), ("bfloat16", "bf16")) for d in (64, 128, 256)),
     *(((4, 1024, 32, 8, d), "float32", "x3/fp32/d%d" % d) for d in (64, 128)),
 )
 SCALE_SHAPES = ((4, 1024, 32, 8, 128), (1, 8192, 32, 8, 128), (16, 2048, 32, 8, 64))

@@ -59,7 +59,7 @@ TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 #    8x1-planned: fp32, 16-byte rows, one shared-memory chunk and few copies.
 #  - short: fp32, 16-byte rows, D 9..32, T <= 128 and a grid of at most 264 CTAs of 8 rows.
 #  - x3: fp32, T > 128, D 33..128 in 16-byte rows, allow_tf32 off, ceil(T*G/64)*B*Hkv >= 132.
-#  - wgmma: fp16/bf16, T > 128, D 33..128 in 16-byte rows.
+#  - wgmma: fp16/bf16, T > 128, D 33..256 in 16-byte rows.
 #  - tiled: the rest of T > 128; fp32 up to width 128 splits keys over 8 warps (split8) when
 #    ceil(T*G/64)*B*Hkv < 132.
 # Ragged on purpose: T never a multiple of 64 beyond 128, D odd where the plan allows, G = 3 where
@@ -91,15 +91,17 @@ CASES = (
     ("tiled/fp16/d256",           1, 129,  2,  1, 129, "fp16", True,  False),
     ("wgmma/fp16/d64",            1, 129,  4,  2,  40, "fp16", True,  False),
     ("wgmma/fp16/d128",           1, 150,  4,  2,  72, "fp16", True,  False),
+    ("wgmma/fp16/d256",           1, 200,  6,  2, 200, "fp16", True,  False),  # G = 3, 200-column rows
     # bf16
     ("rowwise/bf16/8x1",          1, 100,  4,  1, 256, "bf16", True,  False),
     ("rowwise/bf16/4x4",          2,  17, 57, 19,  24, "bf16", True,  False),
     ("tiled/bf16/d32",            2, 129,  4,  2,  32, "bf16", True,  False),
     ("tiled/bf16/d64",            1, 129,  4,  2,  64, "bf16", False, False),  # offset rows
     ("tiled/bf16/d128",           1, 129,  4,  2, 127, "bf16", True,  False),
-    ("tiled/bf16/d256",           1, 129,  2,  1, 256, "bf16", True,  False),
+    ("tiled/bf16/d256",           1, 129,  2,  1, 256, "bf16", False, False),  # offset rows
     ("wgmma/bf16/d64",            2, 129,  4,  2,  64, "bf16", True,  False),
     ("wgmma/bf16/d128",           1, 129,  4,  2, 128, "bf16", True,  False),
+    ("wgmma/bf16/d256",           2, 129,  4,  2, 256, "bf16", True,  False),
 )
 CASE_FIELDS = ("plan", "B", "T", "Hq", "Hkv", "D", "dtype", "aligned", "allow_tf32")
 

@@ -40,7 +40,7 @@ constexpr int kRowwiseMaxD = 8;
 //  - short: fp32, 16-byte rows, head_dim 9..32, where the row-wise grid would be 8 x 1.
 //  - x3: fp32 on an sm_90a build, head_dim 33..128, 16-byte rows, allow_tf32 off, a grid of 64-row
 //    CTAs that fills the GPU.
-//  - wgmma: fp16 and bf16 on an sm_90a build, head_dim 33..128 (widths 64, 128), 16-byte rows.
+//  - wgmma: fp16 and bf16 on an sm_90a build, head_dim 33..256 (widths 64, 128, 256), 16-byte rows.
 //  - tiled (mma.sync): everything else; fp32 at widths up to 128 splits each K/V tile over 8
 //    warps when 64-row CTAs would not give every SM one.
 GqaPlan make_plan(const GqaParams& p, const GqaDevice& dev) {
@@ -67,12 +67,12 @@ GqaPlan make_plan(const GqaParams& p, const GqaDevice& dev) {
         return plan;
     }
     plan.width = p.D <= 32 ? 32 : p.D <= 64 ? 64 : p.D <= 128 ? 128 : 256;
-    if (kHaveWgmma && dev.cc_major == 9 && p.vec16 && p.D > 32 && p.D <= 128) {
+    if (kHaveWgmma && dev.cc_major == 9 && p.vec16 && p.D > 32) {
         if (!fp32) {
             plan.family = kGqaWgmma;
             return plan;
         }
-        if (!p.tf32_single && int64_t(p.B) * p.Hkv <= 65535 && packed_row_ctas(p, kTileRows) >= sms) {
+        if (p.D <= 128 && !p.tf32_single && int64_t(p.B) * p.Hkv <= 65535 && packed_row_ctas(p, kTileRows) >= sms) {
             plan.family = kGqaX3;
             return plan;
         }
@@ -105,7 +105,9 @@ std::vector<GqaPlan> every_plan() {
             if (fp32 && width <= 128) add(kGqaTiled, dtype, width, 8, 8, false);
         }
         if (kHaveWgmma) {
-            for (int width : {64, 128}) add(fp32 ? kGqaX3 : kGqaWgmma, dtype, width, 4, 1, false);
+            for (int width : {64, 128, 256}) {
+                if (!fp32 || width <= 128) add(fp32 ? kGqaX3 : kGqaWgmma, dtype, width, 4, 1, false);
+            }
         }
     }
     return plans;

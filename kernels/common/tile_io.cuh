@@ -163,13 +163,17 @@ __device__ __forceinline__ void add_nonfinite_pv(float (&o)[kDTiles][4], const f
                 const float pk = __shfl_sync(0xffffffffu, i ? own1 : own0, (lane & ~3) | (kk8 >> 1));
                 // Padding rows past the last time step would reach keys past T: none exist.
                 if (key > row_t[i] || key >= T) continue;
-                const Half16* vr = v + int64_t(key) * v_stride_t;
+                // This thread's columns 2 tig + 8 d + e at constant offsets from one pointer, and
+                // volatile, one value at a time: per-column addresses or loads batched ahead would
+                // hold as many registers as O at head_dim 256 (this path runs only on tiles with
+                // Inf or NaN).
+                const volatile Half16* vr = v + int64_t(key) * v_stride_t + 2 * tig;
+                const int cols = D - 2 * tig;
 #pragma unroll
                 for (int d = 0; d < kDTiles; ++d)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const int c = d * 8 + 2 * tig + e;
-                        const float x = c < D ? to_float(vr[c], bf16) : 0.f;
+                        const float x = d * 8 + e < cols ? to_float(vr[d * 8 + e], bf16) : 0.f;
                         if (!isfinite(x)) o[d][2 * i + e] = fmaf(pk, x, o[d][2 * i + e]);
                     }
             }

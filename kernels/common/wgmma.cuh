@@ -111,8 +111,16 @@ __device__ __forceinline__ void pv_wgmma(float (&o)[DP / 8][4], const uint32_t (
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
         const uint64_t db = wg_desc(vb + ks * 16 * 128, KR * 128, 1024);
-        if constexpr (DP == 64) wgmma_rs_tb_n64<kBf16>(reinterpret_cast<float(&)[32]>(o), a[ks], db, ks > 0 || accumulate);
-        else wgmma_rs_tb_n128<kBf16>(reinterpret_cast<float(&)[64]>(o), a[ks], db, ks > 0 || accumulate);
+        if constexpr (DP == 64) {
+            wgmma_rs_tb_n64<kBf16>(reinterpret_cast<float(&)[32]>(o), a[ks], db, ks > 0 || accumulate);
+        } else if constexpr (DP == 128) {
+            wgmma_rs_tb_n128<kBf16>(reinterpret_cast<float(&)[64]>(o), a[ks], db, ks > 0 || accumulate);
+        } else {   // 256: two n128 halves, the second from V's third 64-column block
+            static_assert(DP == 256, "head_dim widths 64, 128 and 256");
+            wgmma_rs_tb_n128<kBf16>(reinterpret_cast<float(&)[64]>(o[0]), a[ks], db, ks > 0 || accumulate);
+            wgmma_rs_tb_n128<kBf16>(reinterpret_cast<float(&)[64]>(o[16]), a[ks], wg_desc(vb + ks * 16 * 128 + 2 * KR * 128, KR * 128, 1024),
+                                    ks > 0 || accumulate);
+        }
     }
 }
 #undef GQA_WGMMA_BODY

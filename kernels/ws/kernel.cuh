@@ -60,12 +60,13 @@ template <int DP> struct WsTraits {
     static constexpr int kBlockM = 128;                 // packed rows per CTA: 64 per consumer warpgroup
     static constexpr int kKeys = 64;                    // keys per tile
     static constexpr int kThreads = 384;                // producer warpgroup, then two consumers
-    static constexpr int kStages = DP == 64 ? 6 : 4;
+    static constexpr int kStages = DP == 64 ? 6 : DP == 128 ? 4 : 2;
     static constexpr bool kPingPong = true;             // the consumers take turns issuing products
+    static constexpr bool kOverlap = DP <= 128;         // S of tile n + 1 beside P V of tile n
     static constexpr int kTileBytes = kKeys * DP * 2;   // one K or V tile
     static constexpr int kQBytes = kBlockM * DP * 2;
     static constexpr size_t kSmemBytes = 1024 + size_t(kQBytes) + size_t(2) * kStages * kTileBytes;
-    static_assert(DP == 64 || DP == 128, "head_dim widths 64 and 128");
+    static_assert(DP == 64 || DP == 128 || DP == 256, "head_dim widths 64, 128 and 256");
 };
 
 // The K and V tensor maps: dims (D, Hkv, T, B), boxes of 64 columns x 1 head x 64 keys x 1 batch;
@@ -215,56 +216,90 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
     auto scalar_pv_nonfinite = [&](int key0) { add_nonfinite_pv(o, s, row_t, key0, head.v, p.v_stride_t, T, p.D, bf16); };
     auto issue_qk = [&](int n) { qk_wgmma<bf16, DP, BM, TK>(s, sQ, wg * 64, sK(n % S)); };
 
-    // The pipeline of the tiled wgmma variant, with the stages' barriers in place of its copies.
-    // Ping-pong: warpgroup 0 goes first; each issue is one turn, n_kv + 1 turns each, and warpgroup
-    // 1 gives up its last pass (nobody waits for it), so every barrier ends balanced.
+    // Ping-pong: warpgroup 0 goes first; each issue of products is one turn, the same number of
+    // turns in each warpgroup, and warpgroup 1 gives up its last pass (nobody waits for it), so
+    // every barrier ends balanced.
     constexpr bool kPP = Tr::kPingPong;
     if (kPP && wg == 1) turn_pass(wg);
-    mbar_wait(&ready[0], 0);
-    bool nonfinite = bad_tile[0] == 1;
-    if (kPP) turn_wait(wg);
-    issue_qk(0);
-    wg_commit();
-    if (kPP) turn_pass(wg);
-    wg_wait<0>();
-    fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));
-    mask_softmax(0);   // O is still zero: f needs no applying
-    for (int n = 0; n + 1 < n_kv; ++n) {
-        const int next = (n + 1) % S;
-        mbar_wait(&ready[next], uint32_t(((n + 1) / S) & 1));
-        const bool next_nonfinite = bad_tile[next] == n + 2;
-        if (nonfinite) scalar_pv_nonfinite(n * TK);
-        uint32_t pa[4][4];   // P of tile n; read by the wgmma until it completes
-        pack_p<bf16>(pa, s);
-        if (kPP) turn_wait(wg);
-        issue_qk(n + 1);
-        wg_commit();
-        pv_wgmma<bf16, DP, TK>(o, pa, sV(n % S));
-        wg_commit();
-        if (kPP) turn_pass(wg);
-        wg_wait<1>();
-        fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));
-        mask_softmax((n + 1) * TK);
-        wg_wait<0>();
-        fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
-        mbar_arrive(&empty[n % S]);   // this warpgroup is done with tile n's stage
+    auto rescale_o = [&]() {
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
             o[d][0] *= f[0], o[d][1] *= f[0];
             o[d][2] *= f[1], o[d][3] *= f[1];
         }
-        nonfinite = next_nonfinite;
-    }
-    if (nonfinite) scalar_pv_nonfinite((n_kv - 1) * TK);
-    {
-        uint32_t pa[4][4];
-        pack_p<bf16>(pa, s);
+    };
+    if constexpr (Tr::kOverlap) {
+        // The pipeline of the tiled wgmma variant, with the stages' barriers in place of its
+        // copies: n_kv + 1 turns.
+        mbar_wait(&ready[0], 0);
+        bool nonfinite = bad_tile[0] == 1;
         if (kPP) turn_wait(wg);
-        pv_wgmma<bf16, DP, TK>(o, pa, sV((n_kv - 1) % S));
+        issue_qk(0);
         wg_commit();
-        if (kPP && wg == 0) turn_pass(wg);
+        if (kPP) turn_pass(wg);
         wg_wait<0>();
-        fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
+        fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));
+        mask_softmax(0);   // O is still zero: f needs no applying
+        for (int n = 0; n + 1 < n_kv; ++n) {
+            const int next = (n + 1) % S;
+            mbar_wait(&ready[next], uint32_t(((n + 1) / S) & 1));
+            const bool next_nonfinite = bad_tile[next] == n + 2;
+            if (nonfinite) scalar_pv_nonfinite(n * TK);
+            uint32_t pa[4][4];   // P of tile n; read by the wgmma until it completes
+            pack_p<bf16>(pa, s);
+            if (kPP) turn_wait(wg);
+            issue_qk(n + 1);
+            wg_commit();
+            pv_wgmma<bf16, DP, TK>(o, pa, sV(n % S));
+            wg_commit();
+            if (kPP) turn_pass(wg);
+            wg_wait<1>();
+            fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));
+            mask_softmax((n + 1) * TK);
+            wg_wait<0>();
+            fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
+            mbar_arrive(&empty[n % S]);   // this warpgroup is done with tile n's stage
+            rescale_o();
+            nonfinite = next_nonfinite;
+        }
+        if (nonfinite) scalar_pv_nonfinite((n_kv - 1) * TK);
+        {
+            uint32_t pa[4][4];
+            pack_p<bf16>(pa, s);
+            if (kPP) turn_wait(wg);
+            pv_wgmma<bf16, DP, TK>(o, pa, sV((n_kv - 1) % S));
+            wg_commit();
+            if (kPP && wg == 0) turn_pass(wg);
+            wg_wait<0>();
+            fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
+        }
+
+    } else {
+        // One tile at a time (S, softmax, P V; 2 n_kv turns): at head_dim 256, O's 128 registers
+        // leave no room for S of the next tile beside P of this one.
+        for (int n = 0; n < n_kv; ++n) {
+            const int st = n % S;
+            mbar_wait(&ready[st], uint32_t((n / S) & 1));
+            const bool nonfinite = bad_tile[st] == n + 1;
+            if (kPP) turn_wait(wg);
+            issue_qk(n);
+            wg_commit();
+            if (kPP) turn_pass(wg);
+            wg_wait<0>();
+            fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));
+            mask_softmax(n * TK);
+            rescale_o();
+            if (nonfinite) scalar_pv_nonfinite(n * TK);
+            uint32_t pa[4][4];
+            pack_p<bf16>(pa, s);
+            if (kPP) turn_wait(wg);
+            pv_wgmma<bf16, DP, TK>(o, pa, sV(st));
+            wg_commit();
+            if (kPP && (wg == 0 || n + 1 < n_kv)) turn_pass(wg);
+            wg_wait<0>();
+            fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
+            if (n + 1 < n_kv) mbar_arrive(&empty[st]);
+        }
     }
 
     // Epilogue: l across the quad that shares a row, then normalise and store column pairs.
