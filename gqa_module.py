@@ -428,7 +428,9 @@ def build_all():
 
 
 def _register_fake():
-    """Shape-only implementations, so torch.compile and FakeTensor tracing see through the ops.
+    """Shape-only implementations, so torch.compile and FakeTensor tracing see through the ops, and
+    the autograd formula of causal_attention_trainable (what causal_attention runs when an input
+    requires grad): the backward op, which recomputes the softmax from q, k, v and the output.
 
     Once per process: a bundle exec'd beside this module shares the same loaded library."""
     namespace = getattr(torch.ops, _LIBRARY)
@@ -438,8 +440,21 @@ def _register_fake():
     def like_query(q, k, v):
         return q.new_empty(q.shape)
 
-    torch.library.register_fake("%s::causal_attention" % _LIBRARY)(like_query)
-    torch.library.register_fake("%s::empty_call" % _LIBRARY)(like_query)
+    def like_inputs(q, k, v, out, grad_out):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    def save_inputs_and_output(ctx, inputs, output):
+        ctx.save_for_backward(*inputs, output)
+
+    def backward(ctx, grad_out):
+        q, k, v, out = ctx.saved_tensors
+        return tuple(namespace.causal_attention_backward.default(q, k, v, out, grad_out))
+
+    for name in ("causal_attention", "causal_attention_trainable", "empty_call"):
+        torch.library.register_fake("%s::%s" % (_LIBRARY, name))(like_query)
+    torch.library.register_fake("%s::causal_attention_backward" % _LIBRARY)(like_inputs)
+    torch.library.register_autograd("%s::causal_attention_trainable" % _LIBRARY, backward,
+                                    setup_context=save_inputs_and_output)
     namespace._gqa_fake_registered = True
 
 

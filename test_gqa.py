@@ -463,13 +463,27 @@ def test_gpu_bad_inputs_raise_and_module_keeps_working(case):
 
 
 @needs_gpu
-def test_gpu_requires_grad_is_refused_not_detached():
+def test_gpu_requires_grad_trains_and_no_grad_skips_autograd():
     q, k, v = make_qkv(1, 16, 4, 2, 16, device="cuda")
     q.requires_grad_(True)
-    with pytest.raises(RuntimeError, match="backward is not supported"):
-        gqa_module.causal_gqa_attention(q, k, v)
+    out = gqa_module.causal_gqa_attention(q, k, v)
+    assert out.grad_fn is not None
+    out.sum().backward()
+    assert q.grad is not None and q.grad.shape == q.shape and k.grad is None
     with torch.no_grad():
-        check_fp32(gqa_module.causal_gqa_attention(q, k, v), q.detach(), k, v, "no_grad")
+        plain = gqa_module.causal_gqa_attention(q, k, v)
+    assert plain.grad_fn is None
+    assert torch.equal(plain, out.detach())
+    check_fp32(plain, q.detach(), k, v, "no_grad")
+
+
+def test_cpu_path_trains_like_float64():
+    """CPU inputs take PyTorch's autograd through the same function: gradients against float64."""
+    q, k, v = make_qkv(2, 33, 6, 2, 20)
+    grad_out = torch.randn_like(q)
+    exact = reference_grads(q, k, v, grad_out)
+    for name, got, ref in zip(("dq", "dk", "dv"), project_grads(q, k, v, grad_out), exact):
+        assert rel_err(got, ref) <= 1e-5, name
 
 
 @needs_gpu
@@ -1371,10 +1385,128 @@ def test_gpu_torch_compile_fullgraph_matches_eager():
 
 @needs_gpu
 def test_gpu_opcheck():
+    """opcheck's schema, fake, autograd-registration and dynamo checks, with and without inputs
+    that require grad."""
     op = gqa_module.load_extension().causal_attention.default
     for shape in ((2, 80, 8, 2, 32), (1, 65, 6, 3, 40)):
         q, k, v = make_qkv(*shape, device="cuda")
         torch.library.opcheck(op, (q, k, v))
+        torch.library.opcheck(op, tuple(t.requires_grad_(True) for t in (q, k, v)))
+
+
+# ------------------------------------------------------------------------------------------------
+# Backward: gradients against float64 autograd of the reference
+def reference_grads(q, k, v, grad_out):
+    """dq, dk, dv in float64: autograd through reference.causal_gqa_reference."""
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    reference.causal_gqa_reference(q64, k64, v64).backward(grad_out.double())
+    return q64.grad, k64.grad, v64.grad
+
+
+def project_grads(q, k, v, grad_out):
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    gqa_module.causal_gqa_attention(q, k, v).backward(grad_out)
+    return q.grad, k.grad, v.grad
+
+
+def channel_rel_errs(got, exact):
+    """Norm-relative error of every head-dim channel (the last dim), as a 1-D tensor."""
+    dims = tuple(range(exact.dim() - 1))
+    return (got.double() - exact).norm(dim=dims) / exact.norm(dim=dims).clamp_min(1e-300)
+
+
+BACKWARD_GRID = [(B, T, Hq, Hkv, D) for B, T in ((2, 1), (1, 63), (2, 65), (1, 1000))
+                 for Hq, Hkv in ((4, 4), (8, 2), (4, 1)) for D in (1, 40, 64, 128, 256)] + [(1, 4097, 4, 2, 64)]
+
+
+@needs_gpu
+@pytest.mark.parametrize("B, T, Hq, Hkv, D", BACKWARD_GRID)
+def test_gpu_backward_fp32_matches_float64(B, T, Hq, Hkv, D):
+    """fp32 gradients: norm-relative error at most 1e-5 for each of dq, dk, dv, and no head-dim
+    channel off by more than 1e-4 of its own norm."""
+    q, k, v = make_qkv(B, T, Hq, Hkv, D, device="cuda")
+    grad_out = torch.randn_like(q)
+    exact = reference_grads(q, k, v, grad_out)
+    for name, got, ref in zip(("dq", "dk", "dv"), project_grads(q, k, v, grad_out), exact):
+        assert got.shape == ref.shape and got.dtype == torch.float32, name
+        assert torch.isfinite(got).all(), name
+        err, worst = rel_err(got, ref), channel_rel_errs(got, ref).max().item()
+        print("%s rel %.3g, worst channel %.3g" % (name, err, worst))
+        assert err <= 1e-5, name
+        assert worst <= 1e-4, name
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B, T, Hq, Hkv, D", [(2, 1, 8, 2, 64), (1, 65, 4, 1, 40), (2, 1000, 8, 2, 128),
+                                              (1, 300, 4, 4, 256), (1, 4097, 4, 2, 64)])
+def test_gpu_backward_16bit_within_twice_sdpa(B, T, Hq, Hkv, D, dtype):
+    """fp16 and bf16 gradients: norm-relative error against float64 at most 2x that of SDPA's own
+    gradients on the same inputs, plus 1e-3."""
+    q, k, v = make_qkv(B, T, Hq, Hkv, D, device="cuda", dtype=dtype)
+    grad_out = torch.randn_like(q)
+    exact = reference_grads(q, k, v, grad_out)
+    sq, sk, sv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        sq.transpose(1, 2), sk.transpose(1, 2), sv.transpose(1, 2), is_causal=True, enable_gqa=True).transpose(1, 2)
+    sdpa.backward(grad_out)
+    for name, got, theirs, ref in zip(("dq", "dk", "dv"), project_grads(q, k, v, grad_out), (sq.grad, sk.grad, sv.grad), exact):
+        assert got.dtype == dtype and torch.isfinite(got).all(), name
+        ours_err, sdpa_err = rel_err(got, ref), rel_err(theirs, ref)
+        print("%s ours %.3g, SDPA %.3g" % (name, ours_err, sdpa_err))
+        assert ours_err <= 2 * sdpa_err + 1e-3, name
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_backward_is_deterministic(dtype):
+    q, k, v = make_qkv(2, 300, 8, 2, 64, device="cuda", dtype=dtype)
+    grad_out = torch.randn_like(q)
+    first, second = project_grads(q, k, v, grad_out), project_grads(q, k, v, grad_out)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+@needs_gpu
+def test_gpu_backward_nonfinite_like_reference():
+    """Inf and NaN in q, k and v: the gradients are NaN exactly where float64 autograd's are, and
+    close to them elsewhere."""
+    q, k, v = make_qkv(1, 40, 4, 2, 16, device="cuda")
+    q[0, 5, 1, 3] = float("inf")
+    k[0, 9, 0, 2] = float("-inf")
+    v[0, 20, 1, 7] = float("nan")
+    q[0, 30, 2, 0] = 1e4   # a large but finite score: a row whose softmax is one-hot
+    grad_out = torch.randn_like(q)
+    for name, got, ref in zip(("dq", "dk", "dv"), project_grads(q, k, v, grad_out), reference_grads(q, k, v, grad_out)):
+        assert torch.equal(torch.isnan(got), torch.isnan(ref)), name
+        finite = torch.isfinite(ref)
+        assert torch.equal(torch.isfinite(got), finite), name
+        assert torch.allclose(got[finite].double(), ref[finite], rtol=1e-4, atol=1e-4), name
+
+
+@needs_gpu
+def test_gpu_backward_refuses_mismatched_grad_out():
+    q, k, v = make_qkv(1, 16, 4, 2, 16, device="cuda")
+    op = gqa_module.load_extension().causal_attention_backward.default
+    out = gqa_module.causal_gqa_attention(q, k, v)
+    with pytest.raises(ValueError, match="grad_out must have q's shape"):
+        op(q, k, v, out, out[:, :8])
+    with pytest.raises(ValueError, match="grad_out must have q's dtype"):
+        op(q, k, v, out, out.double())
+
+
+@needs_gpu
+def test_gpu_torch_compile_forward_and_backward_match_eager():
+    model = gqa_module.ModelNew()
+    compiled = torch.compile(model, fullgraph=True)
+    q, k, v = make_qkv(2, 200, 8, 2, 64, device="cuda")
+    grad_out = torch.randn_like(q)
+    grads = []
+    for fn in (model, compiled):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        out = fn(*leaves)
+        out.backward(grad_out)
+        grads.append([out.detach()] + [t.grad for t in leaves])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1387,9 +1519,22 @@ def _load_sanitize():
     return load_bench_script("sanitize")
 
 
+def test_sanitizer_gradient_check_catches_wrong_gradients():
+    """bench/sanitize.py's gradient check: passes the reference itself, fails a NaN where the
+    reference has none and a gradient off by 1%."""
+    sanitize = _load_sanitize()
+    exact = [torch.randn(2, 5, 3, dtype=torch.float64) for _ in range(3)]
+    assert sanitize.check_grads([g.float() for g in exact], exact, "fp32", False)[0]
+    poisoned = [g.clone() for g in exact]
+    poisoned[1][0, 0, 0] = float("nan")
+    assert not sanitize.check_grads(poisoned, exact, "fp32", True)[0]
+    assert not sanitize.check_grads([exact[0] * 1.01] + exact[1:], exact, "fp32", False)[0]
+
+
 def test_sanitizer_cases_take_their_plans_and_cover_every_plan():
     """Each case of bench/sanitize.py takes its declared plan on an H200 (plan_for's defaults), the
-    declared plans are exactly all_plans(), and every plan also runs with Inf/NaN injected."""
+    declared plans are exactly all_plans(), the backward runs in every dtype, and every plan also
+    runs with Inf/NaN injected."""
     sanitize = _load_sanitize()
     wrong = []
     for plan, B, T, Hq, Hkv, D, dtype, aligned, allow_tf32 in sanitize.CASES:
@@ -1402,6 +1547,8 @@ def test_sanitizer_cases_take_their_plans_and_cover_every_plan():
     plans = set(gqa_module.all_plans())
     assert declared == plans, "plans without a case: %s; declared plans no build has: %s" % (
         sorted(plans - declared), sorted(declared - plans))
+    plans |= {"backward/fp32", "backward/fp16", "backward/bf16"}
+    assert set(sanitize.BACKWARD_PLANS) == plans - declared
     finite = {case[0] for case, nonfinite in sanitize.runs() if not nonfinite}
     nonfinite = {case[0] for case, nonfinite in sanitize.runs() if nonfinite}
     assert finite == nonfinite == plans, "plans without a finite or a non-finite run: %s" % sorted(
@@ -1451,7 +1598,7 @@ def test_committed_sanitizer_results_are_clean_for_the_current_kernels():
     assert data["source_sha256"] == gqa_module.kernel_source_sha256(), (
         "kernels/ changed since the committed sanitizer run: run `python bench/sanitize.py` again")
     assert not data.get("only"), "the committed run covered only the cases matching %r" % data["only"]
-    plans = set(gqa_module.all_plans())
+    plans = set(gqa_module.all_plans()) | set(_load_sanitize().BACKWARD_PLANS)
     for tool in SANITIZER_TOOLS:
         assert tool in data["tools"], "%s did not run" % tool
         result = data["tools"][tool]

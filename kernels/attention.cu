@@ -33,6 +33,9 @@
 #undef GQA_DTYPE
 #undef GQA_WIDTH
 
+// The backward (every dtype) is small enough to live here too.
+#include "backward/backward.cu"
+
 namespace {
 
 __global__ void gqa_empty_kernel() {}

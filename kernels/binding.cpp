@@ -17,6 +17,7 @@
 
 #include <cmath>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gqa_params.h"
@@ -216,15 +217,56 @@ at::Tensor empty_call_cuda(const at::Tensor& q, const at::Tensor& k, const at::T
     return out;
 }
 
-// Backward is not implemented: refuse loudly rather than return an output detached from the graph.
+// dq, dk and dv of causal_attention, from its inputs, its output and the output's gradient.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward_cuda(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out_in,
+    const at::Tensor& grad_in) {
+    check_inputs(q_in, k_in, v_in);
+    GQA_CHECK_ARG(out_in.sizes() == q_in.sizes() && grad_in.sizes() == q_in.sizes(),
+                  "backward: out and grad_out must have q's shape ", dims(q_in.sizes()), ", got out ",
+                  dims(out_in.sizes()), " and grad_out ", dims(grad_in.sizes()));
+    GQA_CHECK_ARG(out_in.scalar_type() == q_in.scalar_type() && grad_in.scalar_type() == q_in.scalar_type(),
+                  "backward: out and grad_out must have q's dtype ", c10::toString(q_in.scalar_type()), ", got out ",
+                  c10::toString(out_in.scalar_type()), " and grad_out ", c10::toString(grad_in.scalar_type()));
+    GQA_CHECK_ARG(out_in.device() == q_in.device() && grad_in.device() == q_in.device(),
+                  "backward: out and grad_out must be on q's device ", q_in.device().str());
+    const c10::cuda::CUDAGuard device_guard(q_in.device());
+    const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+    const at::Tensor out = out_in.contiguous(), grad = grad_in.contiguous();
+    at::Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options());
+    at::Tensor dv = at::empty(v.sizes(), v.options());
+    if (q.numel() == 0) return {dq, dk.zero_(), dv.zero_()};
+    const int64_t rows = q.size(0) * q.size(1) * q.size(2);
+    at::Tensor scratch = at::empty({2 * rows}, q.options().dtype(c10::ScalarType::Float));
+    GqaBwdParams p{};
+    p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr(), p.o = out.data_ptr(), p.dout = grad.data_ptr();
+    p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
+    p.lse2 = scratch.data_ptr<float>(), p.delta = p.lse2 + rows;
+    p.B = int(q.size(0)), p.T = int(q.size(1)), p.Hq = int(q.size(2)), p.Hkv = int(k.size(2)), p.D = int(q.size(3));
+    p.group = p.Hq / p.Hkv;
+    p.scale = float(1.0 / std::sqrt(double(p.D)));
+    p.scale_log2 = float(1.4426950408889634 / std::sqrt(double(p.D)));
+    p.dtype = dtype_code(q.scalar_type());
+    const int err = gqa_backward(p, c10::cuda::getCurrentCUDAStream().stream());
+    TORCH_CHECK(err == 0, "causal_gqa_attention backward: kernel launch failed: ",
+                cudaGetErrorString(static_cast<cudaError_t>(err)));
+    return {dq, dk, dv};
+}
+
+// With grad mode on and an input that requires grad, the call goes to causal_attention_trainable:
+// the same kernels, whose autograd formula (gqa_module.py registers it) runs
+// causal_attention_backward. Otherwise it skips autograd, so inference pays nothing for it.
 at::Tensor causal_attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-    TORCH_CHECK(!(c10::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad())),
-                "causal_gqa_attention: backward is not supported yet, but an input requires grad. "
-                "Call it under torch.no_grad() or give it detached tensors.");
+    using Signature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
+    if (c10::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad())) {
+        static const auto trainable = c10::Dispatcher::singleton()
+                                          .findSchemaOrThrow("gqa_attn::causal_attention_trainable", "")
+                                          .typed<Signature>();
+        return trainable.call(q, k, v);
+    }
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("gqa_attn::causal_attention", "")
-                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+    static const auto op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("gqa_attn::causal_attention", "").typed<Signature>();
     return op.call(q, k, v);
 }
 
@@ -232,6 +274,8 @@ at::Tensor causal_attention_autograd(const at::Tensor& q, const at::Tensor& k, c
 
 TORCH_LIBRARY(gqa_attn, m) {
     m.def("causal_attention(Tensor q, Tensor k, Tensor v) -> Tensor");
+    m.def("causal_attention_trainable(Tensor q, Tensor k, Tensor v) -> Tensor");
+    m.def("causal_attention_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor grad_out) -> (Tensor, Tensor, Tensor)");
     m.def("empty_call(Tensor q, Tensor k, Tensor v) -> Tensor");
     m.def("read_floor(Tensor q, Tensor k, Tensor v) -> Tensor");
     m.def("plan(Tensor q, Tensor k, Tensor v) -> str");
@@ -245,6 +289,8 @@ TORCH_LIBRARY(gqa_attn, m) {
 
 TORCH_LIBRARY_IMPL(gqa_attn, CUDA, m) {
     m.impl("causal_attention", &causal_attention_cuda);
+    m.impl("causal_attention_trainable", &causal_attention_cuda);
+    m.impl("causal_attention_backward", &causal_attention_backward_cuda);
     m.impl("empty_call", &empty_call_cuda);
     m.impl("read_floor", &read_floor_cuda);
     m.impl("plan", &plan_cuda);

@@ -34,6 +34,26 @@ struct GqaParams {
 };
 
 // The device facts a plan depends on.
+// The backward's inputs and outputs: every tensor contiguous, q, o, dout and dq (B, T, Hq, D), k, v,
+// dk and dv (B, T, Hkv, D), in one dtype; lse2 and delta are scratch of B * T * Hq floats each.
+struct GqaBwdParams {
+    const void* q;
+    const void* k;
+    const void* v;
+    const void* o;
+    const void* dout;
+    void* dq;
+    void* dk;
+    void* dv;
+    float* lse2;        // per query row: log2 of the softmax's sum of 2^(s * log2(e))
+    float* delta;       // per query row: dout . o
+    int B, T, Hq, Hkv, D;
+    int group;          // Hq / Hkv
+    float scale;        // 1 / sqrt(D)
+    float scale_log2;   // log2(e) / sqrt(D)
+    int dtype;          // GqaDtype
+};
+
 struct GqaDevice {
     int sm_count;
     int cc_major;
@@ -80,6 +100,7 @@ const char* gqa_dtype_name(int dtype);     // "fp32", "fp16" or "bf16"
 // Finds (building where needed) the launcher of every plan; returns how many could not be loaded.
 int gqa_load_every_plan();
 int gqa_empty_launch(void* out, void* stream);
+int gqa_backward(const GqaBwdParams& params, void* stream);   // dq, dk and dv; 0 or a cudaError_t
 // Reads q, k and v once and writes o = q: the memory floor of a call, for benchmarks.
 int gqa_read_floor(const GqaParams& params, void* stream);
 
