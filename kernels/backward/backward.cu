@@ -57,18 +57,32 @@ __device__ __forceinline__ float dot(const float (&a)[kBwdLaneElems], const floa
     return warp_sum(s);
 }
 
+// This warp's row of a [B, T, H, D] tensor (one warp per row, kBwdWarps rows per CTA).
+struct WarpRow {
+    int64_t row, b;
+    int t, head, lane;
+    bool valid;
+};
+__device__ __forceinline__ WarpRow warp_row(const GqaBwdParams& p, int heads) {
+    WarpRow w;
+    w.row = int64_t(blockIdx.x) * kBwdWarps + threadIdx.x / 32;
+    w.lane = threadIdx.x % 32;
+    w.valid = w.row < int64_t(p.B) * p.T * heads;
+    w.head = int(w.row % heads);
+    w.t = int(w.row / heads % p.T);
+    w.b = w.row / heads / p.T;
+    return w;
+}
+
 // Kernel 1: one warp per query row (b, t, h), rows in [B, T, Hq] order.
 template <typename Elem>
 __global__ void __launch_bounds__(32 * kBwdWarps) gqa_bwd_query_kernel(const GqaBwdParams p) {
-    const int64_t row = (int64_t(blockIdx.x) * kBwdWarps + threadIdx.x / 32);
-    const int lane = threadIdx.x % 32;
-    if (row >= int64_t(p.B) * p.T * p.Hq) return;
+    const WarpRow w = warp_row(p, p.Hq);
+    if (!w.valid) return;
+    const int64_t row = w.row, b = w.b;
+    const int lane = w.lane, t = w.t;
     const bool bf16 = p.dtype == kGqaBFloat16;
-    const int h = int(row % p.Hq);
-    const int64_t bt = row / p.Hq;
-    const int t = int(bt % p.T);
-    const int64_t b = bt / p.T;
-    const int64_t kv_head = h / p.group;
+    const int64_t kv_head = w.head / p.group;
     const int64_t rd = row * p.D;
 
     float q[kBwdLaneElems], dout[kBwdLaneElems], acc[kBwdLaneElems], x[kBwdLaneElems], y[kBwdLaneElems];
@@ -112,15 +126,12 @@ __global__ void __launch_bounds__(32 * kBwdWarps) gqa_bwd_query_kernel(const Gqa
 // most query rows after them start first.
 template <typename Elem>
 __global__ void __launch_bounds__(32 * kBwdWarps) gqa_bwd_key_kernel(const GqaBwdParams p) {
-    const int64_t row = (int64_t(blockIdx.x) * kBwdWarps + threadIdx.x / 32);
-    const int lane = threadIdx.x % 32;
-    if (row >= int64_t(p.B) * p.T * p.Hkv) return;
+    const WarpRow w = warp_row(p, p.Hkv);
+    if (!w.valid) return;
+    const int64_t b = w.b;
+    const int lane = w.lane, j = w.t, kv_head = w.head;
     const bool bf16 = p.dtype == kGqaBFloat16;
-    const int kv_head = int(row % p.Hkv);
-    const int64_t bj = row / p.Hkv;
-    const int j = int(bj % p.T);
-    const int64_t b = bj / p.T;
-    const int64_t kd = row * p.D;
+    const int64_t kd = w.row * p.D;
 
     float k[kBwdLaneElems], v[kBwdLaneElems], dk[kBwdLaneElems], dv[kBwdLaneElems];
     float q[kBwdLaneElems], dout[kBwdLaneElems];
