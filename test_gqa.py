@@ -304,6 +304,27 @@ def _load_bench():
     return load_bench_script("bench_gqa")
 
 
+def test_bench_backward_rows_are_planned_and_valid():
+    """--backward adds the backward mode at every scale shape (not the harness shape), and a row
+    in that mode passes the results schema; an unknown mode does not."""
+    bench = _load_bench()
+    from gqa_bench.shapes import HARNESS_SHAPE, SCALE_CONFIGS, build_plan
+
+    plan, _ = build_plan(bench.parse_args(["--backward", "--no-sweep"]))
+    with_backward = {(shape, dtype) for shape, dtype, modes in plan if "backward" in modes}
+    assert with_backward == {(shape, d) for shape, dtypes in SCALE_CONFIGS for d in dtypes}
+    assert all("backward" not in modes for shape, _, modes in plan if shape == HARNESS_SHAPE)
+    plan, _ = build_plan(bench.parse_args(["--no-sweep"]))
+    assert all("backward" not in modes for _, _, modes in plan)
+    row = {"shape": [4, 1024, 32, 8, 128], "dtype": "bfloat16", "impl": "project", "mode": "backward",
+           "ms": 1.0, "tflops": 100.0, "rel_err": None, "error": None, "plan": "wgmma/bf16/d128"}
+    result = {"gpu": "g", "torch": "t", "cuda": "c", "date": "2026-12-01", "source_sha256": "0" * 64,
+              "compile": {"cold_s": 1.0, "warm_s": 0.1}, "rows": [row]}
+    assert bench.validate_results_schema(result) == []
+    result["rows"] = [dict(row, mode="sideways")]
+    assert bench.validate_results_schema(result) != []
+
+
 def test_committed_results_match_schema_and_current_kernel():
     """The benchmark's bench/results/*.json follow the schema (sanitizer.json has its own test;
     kernelbench_eval.json and first_calls.json are the records of bench/kernelbench_eval.py and
