@@ -241,6 +241,16 @@ def test_reference_model_matches_float64():
     assert torch.allclose(out.double(), exact, atol=1e-5, rtol=1e-5)
 
 
+def test_reference_gradients_take_nothing_from_future_keys():
+    """An infinite key reaches no gradient of the rows before it (they never attend to it): the
+    float64 reference sums over attended keys only when an input is not finite."""
+    q, k, v = make_qkv(1, 9, 4, 2, 5, dtype=torch.float64, seed=11)
+    k[0, 5, 0, 1] = float("-inf")
+    grads = reference_grads(q, k, v, torch.randn_like(q))
+    assert torch.isfinite(grads[0][0, :5]).all()      # dq of the rows before it
+    assert torch.isnan(grads[0][0, 5:, :2]).any()     # rows that attend to it do see it
+
+
 def test_reference_float64_matches_explicit_softmax():
     """The float64 reference itself, against a direct evaluation of the definition at a few points."""
     q, k, v = make_qkv(2, 9, 6, 2, 5, dtype=torch.float64, seed=3)
