@@ -241,6 +241,60 @@ def test_reference_model_matches_float64():
     assert torch.allclose(out.double(), exact, atol=1e-5, rtol=1e-5)
 
 
+# The autograd wiring, on the CPU: the library's CUDA kernels stand in for PyTorch ones here
+# (registered for the CPU in a child process only), so what runs is the op's C++ Autograd kernel,
+# causal_attention_trainable's registered formula and the backward op's schema and fake.
+AUTOGRAD_WIRING = r"""
+import torch
+import gqa_module as g
+ops = g.load_extension()
+lib = torch.library.Library("gqa_attn", "IMPL")
+
+def forward(q, k, v):
+    return g._attention_torch(q, k, v)
+
+def backward(q, k, v, out, grad_out):
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    with torch.enable_grad():
+        return torch.autograd.grad(g._attention_torch(*leaves), leaves, grad_out)
+
+for name in ("causal_attention", "causal_attention_trainable"):
+    lib.impl(name, forward, "CPU")
+lib.impl("causal_attention_backward", backward, "CPU")
+q, k, v = (torch.randn(2, 20, H, 8, requires_grad=True) for H in (4, 2, 2))
+grad = torch.randn(2, 20, 4, 8)
+out = ops.causal_attention(q, k, v)
+print("grad_fn", type(out.grad_fn).__name__)
+out.backward(grad)
+leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+exp = torch.autograd.grad(g._attention_torch(*leaves), leaves, grad)
+print("grads equal", all(torch.equal(a.grad, b) for a, b in zip((q, k, v), exp)))
+with torch.no_grad():
+    print("no_grad grad_fn", ops.causal_attention(q, k, v).grad_fn)
+torch.library.opcheck(ops.causal_attention.default, (q, k, v))
+print("opcheck ok")
+compiled = torch.compile(lambda a, b, c: ops.causal_attention(a, b, c) * 2, fullgraph=True)
+leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+o = compiled(*leaves); o.backward(grad)
+ref_leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+(ops.causal_attention(*ref_leaves) * 2).backward(grad)
+print("compile equal", torch.allclose(o, ops.causal_attention(q, k, v).detach() * 2),
+      all(torch.allclose(a.grad, b.grad) for a, b in zip(leaves, ref_leaves)))
+"""
+
+
+def test_autograd_wiring_with_cpu_stand_ins():
+    """Inputs that require grad get a node whose backward runs causal_attention_backward; no_grad
+    gets none; opcheck (autograd registration, fake, AOT dispatch) and torch.compile(fullgraph) of
+    a forward and backward agree with eager."""
+    run = subprocess.run([sys.executable, "-c", AUTOGRAD_WIRING], cwd=HERE, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert lines == ["grad_fn GeneratedBackwardFor_gqa_attn_causal_attention_trainable_defaultBackward",
+                     "grads equal True", "no_grad grad_fn None", "opcheck ok", "compile equal True True"], lines
+
+
 def test_reference_gradients_take_nothing_from_future_keys():
     """An infinite key reaches no gradient of the rows before it (they never attend to it): the
     float64 reference sums over attended keys only when an input is not finite."""
