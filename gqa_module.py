@@ -524,6 +524,12 @@ def plan(q, k, v):
     return _not_on_cuda(q, k, v, run=False)
 
 
+def backward_plan(q, k, v):
+    """The backward kernels a call with these CUDA inputs runs: "bwdmma/<dtype>/d<width>" (tensor
+    cores: fp16 and bf16 at head_dim 64 and 128) or "backward/<dtype>" (row-wise, any shape)."""
+    return load_extension().backward_plan.default(q, k, v)
+
+
 def plan_for(B, T, Hq, Hkv, D, dtype=torch.float32, aligned=True, allow_tf32=False, sm_count=132, cc_major=9):
     """The plan for a shape on a described GPU (default: an H200), with this build's kernels; no GPU
     needed. `aligned`: every row of q, k and v starts on 16 bytes."""

@@ -110,7 +110,11 @@ BACKWARD_CASES = (
     ("backward/fp32",             1,  45,  6,  2,   7, "fp32", True,  False),  # odd D, G = 3
     ("backward/fp32",             1,  70,  2,  1, 256, "fp32", True,  False),  # 8 elements a lane
     ("backward/fp16",             1, 129,  4,  2,  40, "fp16", False, False),  # offset rows
-    ("backward/bf16",             2,  65,  4,  1, 128, "bf16", True,  False),  # MQA
+    ("backward/bf16",             2,  65,  4,  1,  96, "bf16", True,  False),  # MQA
+    ("bwdmma/fp16/d64",           1, 129,  6,  2,  64, "fp16", True,  False),  # 3 tiles, the last ragged
+    ("bwdmma/fp16/d128",          2,  65,  4,  4, 128, "fp16", False, False),  # offset rows, MHA
+    ("bwdmma/bf16/d64",           1,  70,  4,  1,  64, "bf16", True,  False),  # MQA
+    ("bwdmma/bf16/d128",          1, 200,  8,  2, 128, "bf16", True,  False),
 )
 
 
@@ -286,7 +290,10 @@ def run_cases(seed, only=None, start=0):
                     host[name][where] = value
             q, k, v = (_upload(host[name], aligned) for name in ("q", "k", "v"))
             torch.backends.cuda.matmul.allow_tf32 = allow_tf32
-            if plan.startswith("backward/"):
+            if plan in BACKWARD_PLANS:
+                got_plan = gqa_module.backward_plan(q, k, v)
+                if got_plan != plan:
+                    raise AssertionError("backward plan %s, expected %s" % (got_plan, plan))
                 grad_host = torch.randn(B, T, Hq, D, generator=gen).to(_torch_dtype(dtype))
                 grads, exact = _run_backward(host, q, k, v, grad_host, reference)
                 del q, k, v

@@ -130,6 +130,36 @@ int gqa_load_every_plan() {
     return missing;
 }
 
+// The backward: fp16 and bf16 at head_dim 64 and 128 on the tensor-core unit (bwdmma/, built on
+// first use like the forward units), everything else on the row-wise kernels compiled in here.
+namespace {
+bool backward_on_tensor_cores(const GqaBwdParams& p) { return p.dtype != kGqaFloat32 && (p.D == 64 || p.D == 128); }
+std::atomic<GqaBwdLauncher> g_bwd_launchers[3][2];
+}  // namespace
+
+const char* gqa_backward_plan(const GqaBwdParams& p) {
+    static const char* const kNames[3][3] = {{"backward/fp32", "", ""},
+                                             {"backward/fp16", "bwdmma/fp16/d64", "bwdmma/fp16/d128"},
+                                             {"backward/bf16", "bwdmma/bf16/d64", "bwdmma/bf16/d128"}};
+    if (p.dtype < 0 || p.dtype > 2) return "?";
+    return kNames[p.dtype][backward_on_tensor_cores(p) ? (p.D == 64 ? 1 : 2) : 0];
+}
+
+int gqa_backward(const GqaBwdParams& p, void* stream) {
+    if (int64_t(p.B) * p.T * p.Hq == 0) return 0;
+    if (!backward_on_tensor_cores(p)) return int(backward_rows(p, static_cast<cudaStream_t>(stream)));
+    std::atomic<GqaBwdLauncher>& slot = g_bwd_launchers[p.dtype][p.D == 64 ? 0 : 1];
+    GqaBwdLauncher launch = slot.load(std::memory_order_acquire);
+    if (launch == nullptr) {
+        const GqaModuleLoader loader = g_loader.load();
+        if (loader == nullptr) return kGqaModuleUnavailable;
+        launch = reinterpret_cast<GqaBwdLauncher>(loader(gqa_backward_plan(p), p.dtype, p.D, 0));
+        if (launch == nullptr) return kGqaModuleUnavailable;
+        slot.store(launch, std::memory_order_release);
+    }
+    return launch(&p, stream);
+}
+
 int64_t gqa_workspace_bytes(const GqaParams& p, const GqaPlan& plan) {
     if (plan.family != kGqaX3) return 0;
     return x3_kv_elems(p, plan.width) * int64_t(sizeof(Half16)) + x3_stats_bytes(p, plan.width) + packed_row_ctas(p, kTileRows);

@@ -217,6 +217,17 @@ at::Tensor empty_call_cuda(const at::Tensor& q, const at::Tensor& k, const at::T
     return out;
 }
 
+// The backward's sizes, scales and dtype (no pointers).
+GqaBwdParams backward_params_of(const at::Tensor& q, const at::Tensor& k) {
+    GqaBwdParams p{};
+    p.B = int(q.size(0)), p.T = int(q.size(1)), p.Hq = int(q.size(2)), p.Hkv = int(k.size(2)), p.D = int(q.size(3));
+    p.group = p.Hq / p.Hkv;
+    p.scale = float(1.0 / std::sqrt(double(p.D)));
+    p.scale_log2 = float(1.4426950408889634 / std::sqrt(double(p.D)));
+    p.dtype = dtype_code(q.scalar_type());
+    return p;
+}
+
 // dq, dk and dv of causal_attention, from its inputs, its output and the output's gradient.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward_cuda(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out_in,
@@ -238,19 +249,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward_cuda(
     if (q.numel() == 0) return {dq, dk.zero_(), dv.zero_()};
     const int64_t rows = q.size(0) * q.size(1) * q.size(2);
     at::Tensor scratch = at::empty({2 * rows}, q.options().dtype(c10::ScalarType::Float));
-    GqaBwdParams p{};
+    GqaBwdParams p = backward_params_of(q, k);
     p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr(), p.o = out.data_ptr(), p.dout = grad.data_ptr();
     p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
     p.lse2 = scratch.data_ptr<float>(), p.delta = p.lse2 + rows;
-    p.B = int(q.size(0)), p.T = int(q.size(1)), p.Hq = int(q.size(2)), p.Hkv = int(k.size(2)), p.D = int(q.size(3));
-    p.group = p.Hq / p.Hkv;
-    p.scale = float(1.0 / std::sqrt(double(p.D)));
-    p.scale_log2 = float(1.4426950408889634 / std::sqrt(double(p.D)));
-    p.dtype = dtype_code(q.scalar_type());
     const int err = gqa_backward(p, c10::cuda::getCurrentCUDAStream().stream());
-    TORCH_CHECK(err == 0, "causal_gqa_attention backward: kernel launch failed: ",
+    TORCH_CHECK(err != kGqaModuleUnavailable, "causal_gqa_attention backward: the kernels of ", gqa_backward_plan(p),
+                " could not be built or loaded (the build's error is printed above)");
+    TORCH_CHECK(err == 0, "causal_gqa_attention backward: kernel launch failed (", gqa_backward_plan(p), "): ",
                 cudaGetErrorString(static_cast<cudaError_t>(err)));
     return {dq, dk, dv};
+}
+
+// Which backward kernels a call with these inputs runs.
+std::string backward_plan_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    check_inputs(q, k, v);
+    return gqa_backward_plan(backward_params_of(q, k));
 }
 
 // With grad mode on and an input that requires grad, the call goes to causal_attention_trainable:
@@ -279,6 +293,7 @@ TORCH_LIBRARY(gqa_attn, m) {
     m.def("empty_call(Tensor q, Tensor k, Tensor v) -> Tensor");
     m.def("read_floor(Tensor q, Tensor k, Tensor v) -> Tensor");
     m.def("plan(Tensor q, Tensor k, Tensor v) -> str");
+    m.def("backward_plan(Tensor q, Tensor k, Tensor v) -> str");
     m.def("plan_for(int B, int T, int Hq, int Hkv, int D, ScalarType dtype, bool aligned, bool allow_tf32, "
           "int sm_count, int cc_major) -> str", &plan_for);
     m.def("all_plans() -> str[]", &all_plans);
@@ -294,6 +309,7 @@ TORCH_LIBRARY_IMPL(gqa_attn, CUDA, m) {
     m.impl("empty_call", &empty_call_cuda);
     m.impl("read_floor", &read_floor_cuda);
     m.impl("plan", &plan_cuda);
+    m.impl("backward_plan", &backward_plan_cuda);
 }
 
 TORCH_LIBRARY_IMPL(gqa_attn, Autograd, m) { m.impl("causal_attention", &causal_attention_autograd); }

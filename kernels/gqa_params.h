@@ -80,6 +80,7 @@ typedef int (*GqaLauncher)(const GqaParams* params, const GqaPlan* plan, void* s
 // "family/dtype/dWIDTH" (kernels/<family>/<family>.cu with GQA_DTYPE = dtype, a GqaDtype, and
 // GQA_WIDTH = width), for sm_90a where `sm90a` is 1; returns its GqaLauncher, or null on failure.
 typedef void* (*GqaModuleLoader)(const char* unit, int dtype, int width, int sm90a);
+typedef int (*GqaBwdLauncher)(const GqaBwdParams* params, void* stream);
 // gqa_forward's result when the plan's library could not be built or loaded.
 constexpr int kGqaModuleUnavailable = -1;
 
@@ -101,6 +102,8 @@ const char* gqa_dtype_name(int dtype);     // "fp32", "fp16" or "bf16"
 int gqa_load_every_plan();
 int gqa_empty_launch(void* out, void* stream);
 int gqa_backward(const GqaBwdParams& params, void* stream);   // dq, dk and dv; 0 or a cudaError_t
+// Which backward a call runs: "bwdmma/<dtype>/d<width>" (tensor cores) or "backward/<dtype>" (row-wise).
+const char* gqa_backward_plan(const GqaBwdParams& params);
 // Reads q, k and v once and writes o = q: the memory floor of a call, for benchmarks.
 int gqa_read_floor(const GqaParams& params, void* stream);
 

@@ -15,8 +15,10 @@
 //      the forward keeps nothing when no backward follows.
 //   2. key rows (batch, time, kv head): every query row at or after the key, in the G heads of the
 //      group, recomputes p_ij from the stored log-sum-exp and adds into dK and dV.
-// Correctness first: plain FMA, no tensor cores. Inf and NaN flow through the same arithmetic as
-// the definition, so they reach the gradients the float64 reference gives them.
+// Plain FMA, no tensor cores: fp32 inputs, and 16-bit ones at head dims without a tensor-core unit
+// (bwdmma/: fp16 and bf16 at 64 and 128), whose reference it also is in the tests. Inf and NaN
+// flow through the same arithmetic as the definition, so they reach the gradients the float64
+// reference gives them.
 
 #include "common/base.cuh"
 
@@ -161,7 +163,7 @@ __global__ void __launch_bounds__(32 * kBwdWarps) gqa_bwd_key_kernel(const GqaBw
 }
 
 template <typename Elem>
-cudaError_t launch_backward(const GqaBwdParams& p, cudaStream_t stream) {
+cudaError_t launch_backward_rows(const GqaBwdParams& p, cudaStream_t stream) {
     const int64_t query_ctas = (int64_t(p.B) * p.T * p.Hq + kBwdWarps - 1) / kBwdWarps;
     const int64_t key_ctas = (int64_t(p.B) * p.T * p.Hkv + kBwdWarps - 1) / kBwdWarps;
     if (query_ctas > 0x7fffffff || key_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
@@ -172,10 +174,9 @@ cudaError_t launch_backward(const GqaBwdParams& p, cudaStream_t stream) {
     return cudaGetLastError();
 }
 
-}  // namespace
-
-int gqa_backward(const GqaBwdParams& p, void* stream) {
-    if (int64_t(p.B) * p.T * p.Hq == 0) return 0;
-    const cudaStream_t s = static_cast<cudaStream_t>(stream);
-    return int(p.dtype == kGqaFloat32 ? launch_backward<float>(p, s) : launch_backward<Half16>(p, s));
+// The row-wise backward for any dtype and head_dim.
+cudaError_t backward_rows(const GqaBwdParams& p, cudaStream_t stream) {
+    return p.dtype == kGqaFloat32 ? launch_backward_rows<float>(p, stream) : launch_backward_rows<Half16>(p, stream);
 }
+
+}  // namespace
