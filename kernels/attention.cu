@@ -145,9 +145,12 @@ const char* gqa_backward_plan(const GqaBwdParams& p) {
     return kNames[p.dtype][backward_on_tensor_cores(p) ? (p.D == 64 ? 1 : 2) : 0];
 }
 
-int gqa_backward(const GqaBwdParams& p, void* stream) {
-    if (int64_t(p.B) * p.T * p.Hq == 0) return 0;
-    if (!backward_on_tensor_cores(p)) return int(backward_rows(p, static_cast<cudaStream_t>(stream)));
+int gqa_backward(const GqaBwdParams& params, void* stream) {
+    if (int64_t(params.B) * params.T * params.Hq == 0) return 0;
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    GqaBwdParams p = params;
+    p.rows_if_nonfinite = false;
+    if (!backward_on_tensor_cores(p)) return int(backward_rows(p, s));
     std::atomic<GqaBwdLauncher>& slot = g_bwd_launchers[p.dtype][p.D == 64 ? 0 : 1];
     GqaBwdLauncher launch = slot.load(std::memory_order_acquire);
     if (launch == nullptr) {
@@ -157,7 +160,14 @@ int gqa_backward(const GqaBwdParams& p, void* stream) {
         if (launch == nullptr) return kGqaModuleUnavailable;
         slot.store(launch, std::memory_order_release);
     }
-    return launch(&p, stream);
+    // The scan, the tensor-core kernels (which do nothing on non-finite inputs), then the row-wise
+    // ones (which do nothing on finite inputs): no host round trip.
+    cudaError_t err = scan_nonfinite(p, s);
+    if (err != cudaSuccess) return int(err);
+    const int launched = launch(&p, stream);
+    if (launched != 0) return launched;
+    p.rows_if_nonfinite = true;
+    return int(backward_rows(p, s));
 }
 
 int64_t gqa_workspace_bytes(const GqaParams& p, const GqaPlan& plan) {

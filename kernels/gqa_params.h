@@ -47,6 +47,12 @@ struct GqaBwdParams {
     void* dv;
     float* lse2;        // per query row: log2 of the softmax's sum of 2^(s * log2(e))
     float* delta;       // per query row: dout . o
+    // Set on the device before the tensor-core kernels: 1 when q, k, v, o or dout holds Inf or
+    // NaN. Those kernels then do nothing and the row-wise ones, told to by rows_if_nonfinite, run
+    // instead: a tile product multiplies masked zeros by the values of keys and queries the row
+    // does not attend, and 0 * Inf is NaN.
+    int* nonfinite;
+    bool rows_if_nonfinite;   // the row-wise kernels run only when *nonfinite is set
     int B, T, Hq, Hkv, D;
     int group;          // Hq / Hkv
     float scale;        // 1 / sqrt(D)

@@ -80,7 +80,7 @@ __device__ __forceinline__ WarpRow warp_row(const GqaBwdParams& p, int heads) {
 template <typename Elem>
 __global__ void __launch_bounds__(32 * kBwdWarps) gqa_bwd_query_kernel(const GqaBwdParams p) {
     const WarpRow w = warp_row(p, p.Hq);
-    if (!w.valid) return;
+    if (!w.valid || (p.rows_if_nonfinite && *p.nonfinite == 0)) return;
     const int64_t row = w.row, b = w.b;
     const int lane = w.lane, t = w.t;
     const bool bf16 = p.dtype == kGqaBFloat16;
@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(32 * kBwdWarps) gqa_bwd_query_kernel(const Gqa
 template <typename Elem>
 __global__ void __launch_bounds__(32 * kBwdWarps) gqa_bwd_key_kernel(const GqaBwdParams p) {
     const WarpRow w = warp_row(p, p.Hkv);
-    if (!w.valid) return;
+    if (!w.valid || (p.rows_if_nonfinite && *p.nonfinite == 0)) return;
     const int64_t b = w.b;
     const int lane = w.lane, j = w.t, kv_head = w.head;
     const bool bf16 = p.dtype == kGqaBFloat16;
@@ -171,6 +171,36 @@ cudaError_t launch_backward_rows(const GqaBwdParams& p, cudaStream_t stream) {
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
     gqa_bwd_key_kernel<Elem><<<unsigned(key_ctas), 32 * kBwdWarps, 0, stream>>>(p);
+    return cudaGetLastError();
+}
+
+// Sets *p.nonfinite when q, k, v, o or dout holds Inf or NaN (the flag starts at zero).
+template <typename Elem>
+__global__ void __launch_bounds__(256) gqa_bwd_scan_kernel(const GqaBwdParams p) {
+    const int64_t nq = int64_t(p.B) * p.T * p.Hq * p.D, nkv = int64_t(p.B) * p.T * p.Hkv * p.D;
+    const bool bf16 = p.dtype == kGqaBFloat16;
+    bool bad = false;
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < nq; i += int64_t(gridDim.x) * blockDim.x) {
+        bad |= !isfinite(to_float(static_cast<const Elem*>(p.q)[i], bf16)) ||
+               !isfinite(to_float(static_cast<const Elem*>(p.o)[i], bf16)) ||
+               !isfinite(to_float(static_cast<const Elem*>(p.dout)[i], bf16));
+        if (i < nkv)
+            bad |= !isfinite(to_float(static_cast<const Elem*>(p.k)[i], bf16)) ||
+                   !isfinite(to_float(static_cast<const Elem*>(p.v)[i], bf16));
+    }
+    if (__any_sync(0xffffffffu, bad) && threadIdx.x % 32 == 0) atomicOr(p.nonfinite, 1);
+}
+
+cudaError_t scan_nonfinite(const GqaBwdParams& p, cudaStream_t stream) {
+    cudaError_t err = cudaMemsetAsync(p.nonfinite, 0, sizeof(int), stream);
+    if (err != cudaSuccess) return err;
+    const int64_t items = int64_t(p.B) * p.T * p.Hq * p.D;
+    const int blocks = int(std::min<int64_t>((items + 255) / 256, 4096));
+    if (p.dtype == kGqaFloat32) {
+        gqa_bwd_scan_kernel<float><<<blocks, 256, 0, stream>>>(p);
+    } else {
+        gqa_bwd_scan_kernel<Half16><<<blocks, 256, 0, stream>>>(p);
+    }
     return cudaGetLastError();
 }
 

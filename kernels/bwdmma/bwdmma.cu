@@ -10,7 +10,9 @@
 //     the group: S^T = K Q^T, P^T from lse2, dP^T = V dO^T, dS^T = P^T (dP^T - delta),
 //     dV += P^T dO, dK += dS^T Q.
 // P and dS are rounded to the input dtype before their products, as in FlashAttention. A masked
-// (future or padding) entry is a hard zero, so no Inf or NaN crosses the causal mask.
+// (future or padding) entry is a hard zero, but a tile product still multiplies it by the values
+// of keys and queries the row does not attend, and 0 * Inf is NaN: so a call whose inputs hold Inf
+// or NaN (a scan sets p.nonfinite first) leaves these kernels at once and takes the row-wise ones.
 
 #include "common/mma.cuh"
 
@@ -56,6 +58,7 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
     uint16_t* k_tile = do_tile + Shape::kTileHalves;
     uint16_t* v_tile = k_tile + Shape::kTileHalves;
 
+    if (*p.nonfinite) return;   // the row-wise kernels take this call
     const int tiles = (p.T + kTile - 1) / kTile;
     const int64_t bh = blockIdx.x % (int64_t(p.B) * p.Hq);
     const int qt = tiles - 1 - int(blockIdx.x / (int64_t(p.B) * p.Hq));
@@ -176,6 +179,7 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdPara
     float* lse2_s = reinterpret_cast<float*>(do_tile + Shape::kTileHalves);
     float* delta_s = lse2_s + kTile;
 
+    if (*p.nonfinite) return;   // the row-wise kernels take this call
     const int tiles = (p.T + kTile - 1) / kTile;
     const int64_t bh = blockIdx.x % (int64_t(p.B) * p.Hkv);
     const int kt = int(blockIdx.x / (int64_t(p.B) * p.Hkv));
