@@ -74,6 +74,7 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
 
     // delta of this lane's two rows (every lane of a quad computes the same value).
     float delta[2], lse2[2], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+#pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int t = q0 + 16 * warp + frag_row(lane, 2 * half);
         float sum = 0.f;
@@ -103,6 +104,7 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
         __syncthreads();
         float s[1][kTile / 8][4] = {};
         qk_16bit<kBf16, kTile, DP, Shape::LD, 1>(s, q_rows, k_tile, DP / 16, lane);
+#pragma unroll
         for (int half = 0; half < 2; ++half) {
             float tile_max = -INFINITY;
 #pragma unroll
@@ -128,6 +130,7 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
         }
         __syncthreads();   // k_tile is overwritten next
     }
+#pragma unroll
     for (int half = 0; half < 2; ++half) lse2[half] = m[half] + log2f(l[half]);
 
     // Pass 2: dQ.
@@ -152,6 +155,7 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
         __syncthreads();
     }
 
+#pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int t = q0 + 16 * warp + frag_row(lane, 2 * half);
         if (t >= p.T) continue;
@@ -230,6 +234,7 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdPara
         }
     }
 
+#pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int j = k0 + 16 * warp + frag_row(lane, 2 * half);
         if (j >= p.T) continue;
