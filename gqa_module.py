@@ -421,7 +421,8 @@ def _unit_job(shape, sha, targets, files):
 
 
 def build_all():
-    """Build and load the kernels of every plan (what first calls build one unit at a time)."""
+    """Build and load the kernels of every plan and the backward's tensor-core units (what first
+    calls build one unit at a time)."""
     missing = load_extension()._load_every_plan.default()
     if missing:
         raise RuntimeError("gqa_module: %d plans' kernels could not be built or loaded (errors above)" % missing)

@@ -124,17 +124,23 @@ void gqa_set_module_loader(GqaModuleLoader loader) { g_loader.store(loader); }
 const char* gqa_family_name(int family) { return family >= 0 && family < kGqaFamilies ? kFamilyNames[family] : "?"; }
 const char* gqa_dtype_name(int dtype) { return dtype >= 0 && dtype < 3 ? kDtypeNames[dtype] : "?"; }
 
-int gqa_load_every_plan() {
-    int missing = 0;
-    for (const GqaPlan& plan : every_plan()) missing += launcher_for(plan) == nullptr;
-    return missing;
-}
-
 // The backward: fp16 and bf16 at head_dim 64 and 128 on the tensor-core unit (bwdmma/, built on
 // first use like the forward units), everything else on the row-wise kernels compiled in here.
 namespace {
 bool backward_on_tensor_cores(const GqaBwdParams& p) { return p.dtype != kGqaFloat32 && (p.D == 64 || p.D == 128); }
 std::atomic<GqaBwdLauncher> g_bwd_launchers[3][2];
+
+// The tensor-core unit of a backward call, asked once from the loader and kept (null: unavailable).
+GqaBwdLauncher backward_launcher(const GqaBwdParams& p) {
+    std::atomic<GqaBwdLauncher>& slot = g_bwd_launchers[p.dtype][p.D == 64 ? 0 : 1];
+    GqaBwdLauncher launch = slot.load(std::memory_order_acquire);
+    if (launch != nullptr) return launch;
+    const GqaModuleLoader loader = g_loader.load();
+    if (loader == nullptr) return nullptr;
+    launch = reinterpret_cast<GqaBwdLauncher>(loader(gqa_backward_plan(p), p.dtype, p.D, 0));
+    if (launch != nullptr) slot.store(launch, std::memory_order_release);
+    return launch;
+}
 }  // namespace
 
 const char* gqa_backward_plan(const GqaBwdParams& p) {
@@ -151,15 +157,8 @@ int gqa_backward(const GqaBwdParams& params, void* stream) {
     GqaBwdParams p = params;
     p.rows_if_nonfinite = false;
     if (!backward_on_tensor_cores(p)) return int(backward_rows(p, s));
-    std::atomic<GqaBwdLauncher>& slot = g_bwd_launchers[p.dtype][p.D == 64 ? 0 : 1];
-    GqaBwdLauncher launch = slot.load(std::memory_order_acquire);
-    if (launch == nullptr) {
-        const GqaModuleLoader loader = g_loader.load();
-        if (loader == nullptr) return kGqaModuleUnavailable;
-        launch = reinterpret_cast<GqaBwdLauncher>(loader(gqa_backward_plan(p), p.dtype, p.D, 0));
-        if (launch == nullptr) return kGqaModuleUnavailable;
-        slot.store(launch, std::memory_order_release);
-    }
+    const GqaBwdLauncher launch = backward_launcher(p);
+    if (launch == nullptr) return kGqaModuleUnavailable;
     // The scan, the tensor-core kernels (which do nothing on non-finite inputs), then the row-wise
     // ones (which do nothing on finite inputs): no host round trip.
     cudaError_t err = scan_nonfinite(p, s);
@@ -168,6 +167,20 @@ int gqa_backward(const GqaBwdParams& params, void* stream) {
     if (launched != 0) return launched;
     p.rows_if_nonfinite = true;
     return int(backward_rows(p, s));
+}
+
+// Every forward plan's unit and every backward tensor-core unit; returns how many could not load.
+int gqa_load_every_plan() {
+    int missing = 0;
+    for (const GqaPlan& plan : every_plan()) missing += launcher_for(plan) == nullptr;
+    for (int dtype : {kGqaFloat16, kGqaBFloat16}) {
+        for (int width : {64, 128}) {
+            GqaBwdParams p{};
+            p.dtype = dtype, p.D = width;
+            missing += backward_launcher(p) == nullptr;
+        }
+    }
+    return missing;
 }
 
 int64_t gqa_workspace_bytes(const GqaParams& p, const GqaPlan& plan) {

@@ -186,8 +186,8 @@ std::string plan_for(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, c
 // Where attention.cu asks for a family's library on its first use (a GqaModuleLoader's address).
 void set_module_loader(int64_t address) { gqa_set_module_loader(reinterpret_cast<GqaModuleLoader>(address)); }
 
-// Builds and loads the kernels of every plan (what first calls build one at a time); returns how
-// many could not be loaded.
+// Builds and loads the kernels of every plan and the backward's tensor-core units (what first calls
+// build one at a time); returns how many could not be loaded.
 int64_t load_every_plan() { return gqa_load_every_plan(); }
 
 std::vector<std::string> all_plans() {
