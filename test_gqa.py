@@ -1497,7 +1497,7 @@ def project_grads(q, k, v, grad_out):
 def channel_rel_errs(got, exact):
     """Norm-relative error of every head-dim channel (the last dim), as a 1-D tensor."""
     dims = tuple(range(exact.dim() - 1))
-    return (got.double() - exact).norm(dim=dims) / exact.norm(dim=dims).clamp_min(1e-300)
+    return (got.double() - exact).pow(2).sum(dim=dims).sqrt() / exact.pow(2).sum(dim=dims).sqrt().clamp_min(1e-300)
 
 
 BACKWARD_GRID = [(B, T, Hq, Hkv, D) for B, T in ((2, 1), (1, 63), (2, 65), (1, 1000))
@@ -1516,6 +1516,17 @@ def test_gpu_backward_fp32_matches_float64(B, T, Hq, Hkv, D):
     for name, got, ref in zip(("dq", "dk", "dv"), project_grads(q, k, v, grad_out), exact):
         assert got.shape == ref.shape and got.dtype == torch.float32, name
         assert torch.isfinite(got).all(), name
+        if not ref.any():
+            # T = 1: one key, whose softmax weight is 1 whatever q and k are, so dq and dk are
+            # exactly 0. A row may carry the rounding of dP - delta (two fp32 dot products of D
+            # terms) times k (for dq) or q (for dk): at most 1e-5 of |grad_out| |v| (|q| + |k|) /
+            # sqrt(D) per query row, summed over a kv head's group for dk.
+            kx, vx = (t.repeat_interleave(Hq // Hkv, dim=2) for t in (k, v))
+            bound = grad_out.norm(dim=-1) * vx.norm(dim=-1) * (q.norm(dim=-1) + kx.norm(dim=-1)) / math.sqrt(D)
+            if got.shape[2] != Hq:
+                bound = bound.view(B, T, Hkv, Hq // Hkv).sum(dim=-1)
+            assert (got.norm(dim=-1) <= 1e-5 * bound).all(), name
+            continue
         err, worst = rel_err(got, ref), channel_rel_errs(got, ref).max().item()
         print("%s rel %.3g, worst channel %.3g" % (name, err, worst))
         assert err <= 1e-5, name
@@ -1573,6 +1584,8 @@ def test_gpu_backward_nonfinite_like_reference(dtype, D, plan):
         assert torch.equal(torch.isnan(got), torch.isnan(ref)), name
         finite = torch.isfinite(ref)
         assert torch.equal(torch.isfinite(got), finite), name
+        if not finite.any():
+            continue   # every entry NaN or infinite in float64 too (checked just above)
         if dtype == torch.float32:
             assert torch.allclose(got[finite].double(), ref[finite], rtol=1e-4, atol=1e-4), name
         else:
