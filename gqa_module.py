@@ -241,7 +241,7 @@ def _built_path(library):
 def _build(library, done=lambda: False):
     """Build `library` (see _library) once per machine and load it; returns the path of the loaded
     shared library (None when `done()` says, under the lock, that another thread of this process
-    has loaded it meanwhile). The unit child (_UNIT_CHILD) runs the same steps.
+    has loaded it meanwhile).
 
     A lock beside the directory (filelock: an OS lock, released when its holder dies) serialises
     builds of it across threads and processes. torch's own lock file inside it, which a killed
@@ -271,8 +271,8 @@ def load_extension(first_call=None):
     bundle, whatever its TORCH_EXTENSIONS_DIR), its ops are reused if they were built from the
     same kernel sources, and a RuntimeError naming both sha256s is raised otherwise. The other
     kernel units build on first use (load_unit). `first_call`: the (q, k, v) of the call that
-    needs the library; when the entry library must be built, the unit their plan names is built
-    beside it, in a child process (_start_unit_child)."""
+    needs the library; when the entry library must be built, the builder builds the unit their plan
+    names beside it, in a process of its own (_start_unit_child)."""
     global _OPS
     if _OPS is not None:
         return _OPS
@@ -309,16 +309,37 @@ def _load_unit(unit, dtype, width, sm90a):
     return load_unit(unit.decode(), dtype, width, bool(sm90a))
 
 
+# Kernel units and the plan library hold no torch code, so each is one nvcc command and one link
+# (no torch headers, no ninja), run by the builder (_BUILDER): a short program that imports no torch, started
+# as `python -c` (KernelBench's checker refuses threads), so that a first call runs it beside the
+# entry library's build for the cost of a bare interpreter. load_unit runs it too, and waits.
+# The device-code flags are the entry library's (torch's defaults for extensions, and ours).
+_NVCC_FLAGS = ["-c", "-Xcompiler", "-fPIC", "-O3", "-std=c++17", "--split-compile=0",
+               "--expt-relaxed-constexpr", "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
+               "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__"]
+
+
+def _plain_library(name, what, source, flags):
+    """A library without torch (see _BUILDER): the translation unit `source` compiled by nvcc and
+    linked against the CUDA runtime (as torch links its extensions) into <build root>/<name>/<name>.so;
+    `what` names it in the build message."""
+    build_dir, home = os.path.join(_build_root(), name), _cuda_home()
+    verbose = os.environ.get("GQA_BUILD_VERBOSE") == "1"
+    return {"what": what, "dir": build_dir, "path": os.path.join(build_dir, name + ".so"), "source": source,
+            "compile": [os.path.join(home, "bin", "nvcc")] + _NVCC_FLAGS + flags + (["-Xptxas=-v"] if verbose else []),
+            "link": [os.environ.get("CXX", "c++"), "-shared", "-L" + os.path.join(home, "lib64"), "-lcudart"],
+            "verbose": verbose}
+
+
 def _unit_library(family, unit, dtype, width, sm90a, sha, targets, files):
-    """The library of one kernel unit (see _library): kernels/<family>/<family>.cu for one input
-    dtype and head_dim width, for the targets of the entry library or for sm_90a alone."""
+    """The library of one kernel unit (see _plain_library): kernels/<family>/<family>.cu for one
+    input dtype and head_dim width, for the targets of the entry library or for sm_90a alone."""
     flags, _, tag = targets
     if sm90a:
         flags, tag = ["-gencode=arch=compute_90a,code=sm_90a"], "90a"
-    source = "%s/%s.cu" % (family, family)
-    return _library("%s_%s_sm%s_%s" % (_LIBRARY, sha[:12], tag, unit.replace("/", "_")), "the %s kernels" % unit,
-                    "// the entry point is in kernels/%s\n" % source, _translation_unit(files, source),
-                    flags + ["-DGQA_DTYPE=%s" % dtype, "-DGQA_WIDTH=%s" % width])
+    return _plain_library("%s_%s_sm%s_%s" % (_LIBRARY, sha[:12], tag, unit.replace("/", "_")), "the %s kernels" % unit,
+                          _translation_unit(files, "%s/%s.cu" % (family, family)),
+                          flags + ["-DGQA_DTYPE=%s" % dtype, "-DGQA_WIDTH=%s" % width])
 
 
 def load_unit(unit, dtype, width, sm90a=False):
@@ -326,64 +347,91 @@ def load_unit(unit, dtype, width, sm90a=False):
     family's source compiled for one input dtype (gqa_params.h's GqaDtype code) and head_dim width;
     returns the address of its entry point. attention.cu names the units and calls this."""
     ops = load_extension()
-    _UNIT_CHILDREN[:] = [child for child in _UNIT_CHILDREN if child.poll() is None]
+    _BUILDERS[:] = [builder for builder in _BUILDERS if builder.poll() is None]
     family = unit.split("/")[0]
-    path = _build(_unit_library(family, unit, dtype, width, sm90a, ops._gqa_source_sha256, ops._gqa_targets,
-                                _read_kernel_files()))
-    return ctypes.cast(getattr(ctypes.CDLL(path), "gqa_launch_" + family), ctypes.c_void_p).value
+    library = _unit_library(family, unit, dtype, width, sm90a, ops._gqa_source_sha256, ops._gqa_targets,
+                            _read_kernel_files())
+    if not os.path.exists(library["path"]) and _start_builder({"library": library}).wait() != 0:
+        raise RuntimeError("gqa_module: the %s kernels could not be built (nvcc's output is above)" % unit)
+    return ctypes.cast(getattr(ctypes.CDLL(library["path"]), "gqa_launch_" + family), ctypes.c_void_p).value
 
 
-# The unit child: started by a first call that must build the entry library, it builds the plan
-# library (kernels/plan_library.cu, the plan alone: about a second), asks it which unit the call
-# will run, and builds that unit's library, while the parent builds the entry library; the parent's
-# loader then finds the unit built (it waits on the unit's lock if the child is still at it). It
-# reads its job from the JSON file named by its argument: the call's shape and device, the plan
-# library, and one unit library per (family, sm_90a) whose "{unit}", "{dtype}" and "{width}" it
-# fills in. The parent never waits for it; a child that fails costs nothing but its time (the
-# parent builds what it needs itself), and its errors go to the parent's stderr.
-_UNIT_CHILD = r"""
-import ctypes, json, os, sys
+# The builder. Its job (a JSON file named by its argument, removed once read) is either
+# {"library": L}: build L (see _plain_library); or, for a first call that builds the entry library,
+# {"plan": P, "shape": [...], "units": {"family/sm90a": L}}: build the plan library P (the plan
+# alone, kernels/plan_library.cu: about a second), ask it which unit the shape runs, and build that
+# unit from its family's L, whose "{unit}", "{dtype}" and "{width}" it fills in. A lock beside each
+# library's directory (filelock: an OS lock, freed when its holder dies) makes one build per
+# machine; the library appears under its name only once complete, so a killed build leaves none.
+# A failed build prints nvcc's output to stderr and exits 1; a first call never waits for its
+# builder (the parent's loader builds what it still lacks).
+_BUILDER = r"""
+import ctypes, json, os, subprocess, sys
 import filelock
-from torch.utils import cpp_extension
 
-def build(library):
-    args = library["args"]
-    os.makedirs(args["build_directory"], exist_ok=True)
-    with filelock.FileLock(args["build_directory"] + ".lock"):
-        stale = os.path.join(args["build_directory"], "lock")
-        if os.path.exists(stale):
-            os.remove(stale)
-        return cpp_extension.load_inline(**args)
+def build(library, where=""):
+    os.makedirs(library["dir"], exist_ok=True)
+    with filelock.FileLock(library["dir"] + ".lock"):
+        if os.path.exists(library["path"]):
+            return library["path"]
+        print("gqa_module: compiling %s%s (first use; cached in %s)" % (library["what"], where, library["dir"]),
+              file=sys.stderr, flush=True)
+        for name in os.listdir(library["dir"]):
+            if ".partial" in name:
+                os.remove(os.path.join(library["dir"], name))   # left by a killed build
+        partial = "%s.%d.partial" % (library["path"], os.getpid())
+        source, objects = os.path.join(library["dir"], "cuda.cu"), partial + ".o"
+        with open(source, "w") as fh:
+            fh.write(library["source"])
+        for argv in (library["compile"] + [source, "-o", objects], library["link"][:1] + [objects] + library["link"][1:] + ["-o", partial]):
+            run = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            if library["verbose"] or run.returncode != 0:
+                print(" ".join(argv) + "\n" + run.stdout, file=sys.stderr, flush=True)
+            if run.returncode != 0:
+                sys.exit("gqa_module: %s exited with %d building %s" % (argv[0], run.returncode, library["what"]))
+        os.remove(objects)
+        os.replace(partial, library["path"])
+    return library["path"]
 
-os.nice(10)   # where CPUs are few, the entry library's build (the parent's) goes first
 with open(sys.argv[1]) as fh:
     job = json.load(fh)
 os.remove(sys.argv[1])
+if "library" in job:
+    build(job["library"])
+    sys.exit(0)
+os.nice(10)   # where CPUs are few, the entry library's build (the parent's) goes first
 unit, width, sm90a = ctypes.create_string_buffer(32), ctypes.c_int(), ctypes.c_int()
 separate = ctypes.CDLL(build(job["plan"])).gqa_unit_for(*job["shape"], unit, 32, ctypes.byref(width), ctypes.byref(sm90a))
 if separate == 1:
     name = unit.value.decode()
     library = job["units"]["%s/%d" % (name.split("/")[0], sm90a.value)]
-    fill = {"{unit}": name.replace("/", "_"), "{dtype}": str(job["shape"][5]), "{width}": str(width.value)}
-    args = library["args"]
+    fill = {"{unit}": name, "{dtype}": str(job["shape"][5]), "{width}": str(width.value)}
     for mark, text in fill.items():
-        args["name"] = args["name"].replace(mark, text)
-        args["build_directory"] = args["build_directory"].replace(mark, text)
-        args["extra_cuda_cflags"] = [flag.replace(mark, text) for flag in args["extra_cuda_cflags"]]
-    print("gqa_module: compiling the %s kernels beside the entry library (first use; cached in %s)"
-          % (name, args["build_directory"]), file=sys.stderr, flush=True)
-    build(library)
+        library["what"] = library["what"].replace(mark, text)
+        library["dir"], library["path"] = (p.replace(mark, text.replace("/", "_")) for p in (library["dir"], library["path"]))
+        library["compile"] = [flag.replace(mark, text) for flag in library["compile"]]
+    build(library, " beside the entry library")
 """
-_UNIT_CHILDREN = []   # started unit children, kept so that they are waited for (not left as zombies)
+_BUILDERS = []   # builders started and not waited for, kept so that they are reaped (not left as zombies)
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}   # gqa_params.h's GqaDtype
 
 
-def _start_unit_child(first_call, sha, targets, files):
-    """Start the unit child (_UNIT_CHILD) for a first call's (q, k, v), when they look like inputs
-    the kernels take; their rows count as 16-byte aligned when all three are contiguous on 16 bytes
-    (a wrong guess only builds a unit the call does not run)."""
+def _start_builder(job):
+    """Start the builder (_BUILDER) on `job`; returns its process."""
+    import json
     import subprocess
+    import tempfile
 
+    os.makedirs(_build_root(), exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="gqa_build_job_", dir=_build_root(), delete=False) as fh:
+        json.dump(job, fh)
+    return subprocess.Popen([sys.executable, "-c", _BUILDER, fh.name], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+
+
+def _start_unit_child(first_call, sha, targets, files):
+    """Start the builder on the unit a first call's (q, k, v) runs, beside the entry library's
+    build, when they look like inputs the kernels take; their rows count as 16-byte aligned when
+    all three are contiguous on 16 bytes (a wrong guess only builds a unit the call does not run)."""
     q, k, v = first_call
     tensors = all(isinstance(t, torch.Tensor) and t.is_cuda and t.dim() == 4 for t in (q, k, v))
     if not tensors or q.dtype not in _DTYPE_CODES or q.dtype != k.dtype or q.dtype != v.dtype:
@@ -395,29 +443,19 @@ def _start_unit_child(first_call, sha, targets, files):
     B, T, Hq, D = q.shape
     shape = (B, T, Hq, k.shape[2], D, _DTYPE_CODES[q.dtype], aligned, torch.backends.cuda.matmul.allow_tf32,
              device.multi_processor_count, device.major)
-    job = _unit_job(shape, sha, targets, files)
-    _UNIT_CHILDREN.append(subprocess.Popen([sys.executable, "-c", _UNIT_CHILD, job], stdin=subprocess.DEVNULL,
-                                           stdout=subprocess.DEVNULL))
+    _BUILDERS.append(_start_builder(_unit_job(shape, sha, targets, files)))
 
 
 def _unit_job(shape, sha, targets, files):
-    """The unit child's job file for `shape` (B, T, Hq, Hkv, D, dtype code, aligned, allow_tf32,
-    SM count, compute capability major), written under the build root; returns its path."""
-    import json
-    import tempfile
-
+    """The builder's job for the unit of `shape` (B, T, Hq, Hkv, D, dtype code, aligned,
+    allow_tf32, SM count, compute capability major); see _BUILDER."""
     flags, sm90a, tag = targets
-    job = {"shape": [int(x) for x in shape],
-           "plan": _library("%s_%s_sm%s_plan" % (_LIBRARY, sha[:12], tag), "the plan library",
-                            "// the plan library is kernels/plan_library.cu\n", _translation_unit(files, "plan_library.cu"),
-                            flags + (["-DGQA_SM90A"] if sm90a else [])),
-           "units": {"%s/%d" % (family, unit_sm90a): _unit_library(family, "{unit}", "{dtype}", "{width}", unit_sm90a,
-                                                                   sha, targets, files)
-                     for family in ("rowwise", "short", "tiled", "wgmma", "x3") for unit_sm90a in (0, 1)}}
-    os.makedirs(_build_root(), exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="gqa_unit_job_", dir=_build_root(), delete=False) as fh:
-        json.dump(job, fh)
-    return fh.name
+    return {"shape": [int(x) for x in shape],
+            "plan": _plain_library("%s_%s_sm%s_plan" % (_LIBRARY, sha[:12], tag), "the plan library",
+                                   _translation_unit(files, "plan_library.cu"), flags + (["-DGQA_SM90A"] if sm90a else [])),
+            "units": {"%s/%d" % (family, unit_sm90a): _unit_library(family, "{unit}", "{dtype}", "{width}", unit_sm90a,
+                                                                    sha, targets, files)
+                      for family in ("rowwise", "short", "tiled", "wgmma", "x3") for unit_sm90a in (0, 1)}}
 
 
 def build_all():

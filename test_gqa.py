@@ -1423,14 +1423,13 @@ def test_gpu_first_call_builds_the_entry_and_its_unit_at_once(tmp_path, shape, d
 
 
 def test_unit_child_builds_the_unit_load_unit_then_loads(tmp_path):
-    """The unit child, given a shape, builds the plan library and the unit its plan names, under
-    the names load_unit uses (no second build); for the harness shape, the plan library only."""
-    code = ("import subprocess, sys, gqa_module as g\n"
+    """The builder, given a first call's shape, builds the plan library and the unit its plan names,
+    under the names load_unit uses (no second build); for the harness shape, the plan library only."""
+    code = ("import gqa_module as g\n"
             "g._use_cuda_home(g._cuda_home())\n"
             "sha, targets, files = g.kernel_source_sha256(), g._targets(), g._read_kernel_files()\n"
             "for shape in ((2, 80, 8, 2, 32, 0, 1, 0, 132, 9), (2, 100, 8, 2, 64, 1, 1, 0, 132, 9)):\n"
-            "    job = g._unit_job(shape, sha, targets, files)\n"
-            "    assert subprocess.run([sys.executable, '-c', g._UNIT_CHILD, job]).returncode == 0\n"
+            "    assert g._start_builder(g._unit_job(shape, sha, targets, files)).wait() == 0\n"
             "print('unit', bool(g.load_unit('rowwise/fp16', 1, 0, False)))\n")
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
     run = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True, timeout=900)

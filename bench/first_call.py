@@ -11,8 +11,9 @@ synchronized end of the call: the builds it needs, the loads and the launch), `p
 child from its first line, the plan the call took, and the libraries built in its directory.
 
 - cold, one case per kernel library (family, input dtype, head_dim width), at a shape that takes it;
-  the harness shape (2, 80, 8, 2, 32) fp32 is the first; then warm: the harness shape again in a
-  new process on the same directory;
+  the harness shape (2, 80, 8, 2, 32) fp32 is the first, and runs again (--repeats, default 3, each
+  in a new directory: the record gives every time and the median); then warm, as often: the harness
+  shape in a new process on a built directory;
 - four processes at once, cold, at the harness shape: all must succeed, with one entry build;
 - a killed build: a process killed while it builds, then a new one on the same directory;
 - TORCH_CUDA_ARCH_LIST=Hopper: the harness shape cold, and the plans of the fp32 and bf16 scale
@@ -24,6 +25,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -96,9 +98,11 @@ def finish(proc, timeout=600):
     return record
 
 
-def run_cases(tmp, units=None, checkpoint=lambda results: None):
-    """Every case in order; `checkpoint(results)` after each, so a run cut short still leaves its record."""
-    results = {"library_cold": [], "four_at_once": None, "killed_build": None, "arch_hopper": None}
+def run_cases(tmp, units=None, repeats=3, checkpoint=lambda results: None):
+    """Every case in order, the harness shape cold and warm `repeats` times each; `checkpoint(results)`
+    after each, so a run cut short still leaves its record."""
+    results = {"library_cold": [], "harness_cold_repeats": [], "warm": [], "four_at_once": None,
+               "killed_build": None, "arch_hopper": None}
     cases = [case for i, case in enumerate(LIBRARY_CASES) if i == 0 or units is None or case[2] in units]
     for i, (shape, dtype, family) in enumerate(cases):
         record = finish(child(tmp / ("cold%d" % i), shape, dtype))
@@ -108,10 +112,15 @@ def run_cases(tmp, units=None, checkpoint=lambda results: None):
         print("cold %-18s %-26s %6.2f s (plan %s)" % (family, shape, record.get("first_call_s", float("nan")),
                                                        record.get("plan")), flush=True)
         checkpoint(results)
-    warm = finish(child(tmp / "cold0", *HARNESS))
-    results["warm"] = warm
-    print("warm harness %.2f s" % warm.get("first_call_s", float("nan")), flush=True)
-    checkpoint(results)
+    for i in range(1, repeats):   # the harness shape cold again, each in a new directory
+        record = finish(child(tmp / ("harness%d" % i), *HARNESS))
+        results["harness_cold_repeats"].append(record)
+        print("cold harness again %.2f s" % record.get("first_call_s", float("nan")), flush=True)
+        checkpoint(results)
+    for _ in range(repeats):   # warm: the harness shape in a new process on a built directory
+        results["warm"].append(finish(child(tmp / "cold0", *HARNESS)))
+        print("warm harness %.2f s" % results["warm"][-1].get("first_call_s", float("nan")), flush=True)
+        checkpoint(results)
 
     procs = [child(tmp / "four", *HARNESS) for _ in range(4)]
     records = [finish(p) for p in procs]
@@ -123,8 +132,8 @@ def run_cases(tmp, units=None, checkpoint=lambda results: None):
 
     victim = child(tmp / "killed", *HARNESS)
     deadline = time.time() + 120
-    # the entry library's build, not the plan library's that the unit child starts beside it
-    while time.time() < deadline and not [p for p in (tmp / "killed").glob("*/build.ninja") if not p.parent.name.endswith("_plan")]:
+    # the entry library's build (the one built through ninja)
+    while time.time() < deadline and not list((tmp / "killed").glob("*/build.ninja")):
         time.sleep(0.05)
     time.sleep(0.5)   # inside nvcc
     victim.send_signal(signal.SIGKILL)
@@ -147,6 +156,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out", help="where the JSON record goes")
     parser.add_argument("--units", help="comma-separated units to run cold (the harness shape always runs); default: all")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="cold and warm first calls at the harness shape, each reported with their median (default 3)")
     args = parser.parse_args(argv)
     units = set(args.units.split(",")) if args.units else None
     if units and units - {case[2] for case in LIBRARY_CASES}:
@@ -157,12 +168,15 @@ def main(argv=None):
 
     def record(results, complete):
         cold = [r.get("first_call_s") or float("inf") for r in results["library_cold"]]
+        harness = [r.get("first_call_s") or float("inf") for r in results["library_cold"][:1] + results["harness_cold_repeats"]]
+        warm = [r.get("first_call_s") or float("inf") for r in results["warm"]]
         return {
             "source_sha256": gqa_module.kernel_source_sha256(), "complete": complete,
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
             "units": sorted(units) if units else "all",
-            "harness_cold_s": cold[0] if cold else None, "slowest_cold_s": max(cold) if cold else None,
-            "warm_s": (results.get("warm") or {}).get("first_call_s"),
+            "harness_cold_s": statistics.median(harness) if harness else None, "harness_cold_all_s": harness,
+            "slowest_cold_s": max(cold) if cold else None,
+            "warm_s": statistics.median(warm) if warm else None, "warm_all_s": warm,
             **results,
         }
 
@@ -171,7 +185,7 @@ def main(argv=None):
             json.dump(data, fh, indent=1)
 
     with tempfile.TemporaryDirectory(prefix="gqa_first_call_") as tmp:
-        results = run_cases(Path(tmp), units, checkpoint=lambda partial: write(record(partial, False)))
+        results = run_cases(Path(tmp), units, max(1, args.repeats), checkpoint=lambda partial: write(record(partial, False)))
     data = record(results, True)
     write(data)
     print("harness cold %.2f s, slowest cold %.2f s, warm %.2f s; wrote %s"
