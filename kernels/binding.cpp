@@ -242,8 +242,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward_cuda(
     GQA_CHECK_ARG(out_in.device() == q_in.device() && grad_in.device() == q_in.device(),
                   "backward: out and grad_out must be on q's device ", q_in.device().str());
     const c10::cuda::CUDAGuard device_guard(q_in.device());
-    const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
-    const at::Tensor out = out_in.contiguous(), grad = grad_in.contiguous();
+    // The tensor-core kernels read 16-byte vectors: a contiguous tensor that starts off 16 bytes
+    // (a view at an odd offset) is copied once, O(T) against the backward's O(T^2).
+    const auto packed = [](const at::Tensor& t) {
+        const at::Tensor c = t.contiguous();
+        return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone();
+    };
+    const at::Tensor q = packed(q_in), k = packed(k_in), v = packed(v_in), out = packed(out_in), grad = packed(grad_in);
     at::Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options());
     at::Tensor dv = at::empty(v.sizes(), v.options());
     if (q.numel() == 0) return {dq, dk.zero_(), dv.zero_()};
