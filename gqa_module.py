@@ -459,14 +459,17 @@ def _unit_job(shape, sha, targets, files):
 
 
 def build_all():
-    """Build and load the kernels of every plan (what first calls build one unit at a time)."""
+    """Build and load the kernels of every plan and the backward's tensor-core units (what first
+    calls build one unit at a time)."""
     missing = load_extension()._load_every_plan.default()
     if missing:
         raise RuntimeError("gqa_module: %d plans' kernels could not be built or loaded (errors above)" % missing)
 
 
 def _register_fake():
-    """Shape-only implementations, so torch.compile and FakeTensor tracing see through the ops.
+    """Shape-only implementations, so torch.compile and FakeTensor tracing see through the ops, and
+    the autograd formula of causal_attention_trainable (what causal_attention runs when an input
+    requires grad): the backward op, which recomputes the softmax from q, k, v and the output.
 
     Once per process: a bundle exec'd beside this module shares the same loaded library."""
     namespace = getattr(torch.ops, _LIBRARY)
@@ -476,8 +479,21 @@ def _register_fake():
     def like_query(q, k, v):
         return q.new_empty(q.shape)
 
-    torch.library.register_fake("%s::causal_attention" % _LIBRARY)(like_query)
-    torch.library.register_fake("%s::empty_call" % _LIBRARY)(like_query)
+    def like_inputs(q, k, v, out, grad_out):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    def save_inputs_and_output(ctx, inputs, output):
+        ctx.save_for_backward(*inputs, output)
+
+    def backward(ctx, grad_out):
+        q, k, v, out = ctx.saved_tensors
+        return tuple(namespace.causal_attention_backward.default(q, k, v, out, grad_out))
+
+    for name in ("causal_attention", "causal_attention_trainable", "empty_call"):
+        torch.library.register_fake("%s::%s" % (_LIBRARY, name))(like_query)
+    torch.library.register_fake("%s::causal_attention_backward" % _LIBRARY)(like_inputs)
+    torch.library.register_autograd("%s::causal_attention_trainable" % _LIBRARY, backward,
+                                    setup_context=save_inputs_and_output)
     namespace._gqa_fake_registered = True
 
 
@@ -545,6 +561,12 @@ def plan(q, k, v):
     if isinstance(q, torch.Tensor) and q.is_cuda:
         return load_extension().plan.default(q, k, v)
     return _not_on_cuda(q, k, v, run=False)
+
+
+def backward_plan(q, k, v):
+    """The backward kernels a call with these CUDA inputs runs: "bwdmma/<dtype>/d<width>" (tensor
+    cores: fp16 and bf16 at head_dim 64 and 128) or "backward/<dtype>" (row-wise, any shape)."""
+    return load_extension().backward_plan.default(q, k, v)
 
 
 def plan_for(B, T, Hq, Hkv, D, dtype=torch.float32, aligned=True, allow_tf32=False, sm_count=132, cc_major=9):

@@ -55,9 +55,10 @@ def causal_gqa_reference(q, k, v):
     q64, k64, v64 = q.double(), k.double(), v.double()
     out = torch.empty(B, T, Hq, D, dtype=torch.float64, device=q.device)
     future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-    if not torch.isfinite(v64).all():
+    if not (torch.isfinite(q64).all() and torch.isfinite(k64).all() and torch.isfinite(v64).all()):
         # A product 0 * inf or 0 * nan with a masked future value would poison rows that never
-        # attend to it; sum over the attended keys only, as the loops do.
+        # attend to it (through V in the forward, and through K and Q in autograd's backward,
+        # where masked scores get a zero gradient); sum over the attended keys only, as the loops do.
         for h in range(Hq):
             kv = h // group
             for t in range(T):

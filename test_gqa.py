@@ -143,8 +143,8 @@ def test_extension_builds_and_registers_ops():
 
 
 def test_every_kernel_unit_builds_and_loads():
-    """Every plan's kernels (built one unit at a time by first calls) compile, load and export their
-    entry point: the count of plans without a launcher is 0."""
+    """Every plan's kernels and every backward tensor-core unit (built one unit at a time by first
+    calls) compile, load and export their entry point: the count without a launcher is 0."""
     assert gqa_module.load_extension()._load_every_plan.default() == 0
 
 
@@ -241,6 +241,70 @@ def test_reference_model_matches_float64():
     assert torch.allclose(out.double(), exact, atol=1e-5, rtol=1e-5)
 
 
+# The autograd wiring, on the CPU: the library's CUDA kernels stand in for PyTorch ones here
+# (registered for the CPU in a child process only), so what runs is the op's C++ Autograd kernel,
+# causal_attention_trainable's registered formula and the backward op's schema and fake.
+AUTOGRAD_WIRING = r"""
+import torch
+import gqa_module as g
+ops = g.load_extension()
+lib = torch.library.Library("gqa_attn", "IMPL")
+
+def forward(q, k, v):
+    return g._attention_torch(q, k, v)
+
+def backward(q, k, v, out, grad_out):
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    with torch.enable_grad():
+        return torch.autograd.grad(g._attention_torch(*leaves), leaves, grad_out)
+
+for name in ("causal_attention", "causal_attention_trainable"):
+    lib.impl(name, forward, "CPU")
+lib.impl("causal_attention_backward", backward, "CPU")
+q, k, v = (torch.randn(2, 20, H, 8, requires_grad=True) for H in (4, 2, 2))
+grad = torch.randn(2, 20, 4, 8)
+out = ops.causal_attention(q, k, v)
+print("grad_fn", type(out.grad_fn).__name__)
+out.backward(grad)
+leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+exp = torch.autograd.grad(g._attention_torch(*leaves), leaves, grad)
+print("grads equal", all(torch.equal(a.grad, b) for a, b in zip((q, k, v), exp)))
+with torch.no_grad():
+    print("no_grad grad_fn", ops.causal_attention(q, k, v).grad_fn)
+torch.library.opcheck(ops.causal_attention.default, (q, k, v))
+print("opcheck ok")
+compiled = torch.compile(lambda a, b, c: ops.causal_attention(a, b, c) * 2, fullgraph=True)
+leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+o = compiled(*leaves); o.backward(grad)
+ref_leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+(ops.causal_attention(*ref_leaves) * 2).backward(grad)
+print("compile equal", torch.allclose(o, ops.causal_attention(q, k, v).detach() * 2),
+      all(torch.allclose(a.grad, b.grad) for a, b in zip(leaves, ref_leaves)))
+"""
+
+
+def test_autograd_wiring_with_cpu_stand_ins():
+    """Inputs that require grad get a node whose backward runs causal_attention_backward; no_grad
+    gets none; opcheck (autograd registration, fake, AOT dispatch) and torch.compile(fullgraph) of
+    a forward and backward agree with eager."""
+    run = subprocess.run([sys.executable, "-c", AUTOGRAD_WIRING], cwd=HERE, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.splitlines()
+    assert lines == ["grad_fn GeneratedBackwardFor_gqa_attn_causal_attention_trainable_defaultBackward",
+                     "grads equal True", "no_grad grad_fn None", "opcheck ok", "compile equal True True"], lines
+
+
+def test_reference_gradients_take_nothing_from_future_keys():
+    """An infinite key reaches no gradient of the rows before it (they never attend to it): the
+    float64 reference sums over attended keys only when an input is not finite."""
+    q, k, v = make_qkv(1, 9, 4, 2, 5, dtype=torch.float64, seed=11)
+    k[0, 5, 0, 1] = float("-inf")
+    grads = reference_grads(q, k, v, torch.randn_like(q))
+    assert torch.isfinite(grads[0][0, :5]).all()      # dq of the rows before it
+    assert torch.isnan(grads[0][0, 5:, :2]).any()     # rows that attend to it do see it
+
+
 def test_reference_float64_matches_explicit_softmax():
     """The float64 reference itself, against a direct evaluation of the definition at a few points."""
     q, k, v = make_qkv(2, 9, 6, 2, 5, dtype=torch.float64, seed=3)
@@ -302,6 +366,27 @@ def load_bench_script(name):
 
 def _load_bench():
     return load_bench_script("bench_gqa")
+
+
+def test_bench_backward_rows_are_planned_and_valid():
+    """--backward adds the backward mode at every scale shape (not the harness shape), and a row
+    in that mode passes the results schema; an unknown mode does not."""
+    bench = _load_bench()
+    from gqa_bench.shapes import HARNESS_SHAPE, SCALE_CONFIGS, build_plan
+
+    plan, _ = build_plan(bench.parse_args(["--backward", "--no-sweep"]))
+    with_backward = {(shape, dtype) for shape, dtype, modes in plan if "backward" in modes}
+    assert with_backward == {(shape, d) for shape, dtypes in SCALE_CONFIGS for d in dtypes}
+    assert all("backward" not in modes for shape, _, modes in plan if shape == HARNESS_SHAPE)
+    plan, _ = build_plan(bench.parse_args(["--no-sweep"]))
+    assert all("backward" not in modes for _, _, modes in plan)
+    row = {"shape": [4, 1024, 32, 8, 128], "dtype": "bfloat16", "impl": "project", "mode": "backward",
+           "ms": 1.0, "tflops": 100.0, "rel_err": None, "error": None, "plan": "wgmma/bf16/d128"}
+    result = {"gpu": "g", "torch": "t", "cuda": "c", "date": "2026-12-01", "source_sha256": "0" * 64,
+              "compile": {"cold_s": 1.0, "warm_s": 0.1}, "rows": [row]}
+    assert bench.validate_results_schema(result) == []
+    result["rows"] = [dict(row, mode="sideways")]
+    assert bench.validate_results_schema(result) != []
 
 
 def test_committed_results_match_schema_and_current_kernel():
@@ -463,13 +548,27 @@ def test_gpu_bad_inputs_raise_and_module_keeps_working(case):
 
 
 @needs_gpu
-def test_gpu_requires_grad_is_refused_not_detached():
+def test_gpu_requires_grad_trains_and_no_grad_skips_autograd():
     q, k, v = make_qkv(1, 16, 4, 2, 16, device="cuda")
     q.requires_grad_(True)
-    with pytest.raises(RuntimeError, match="backward is not supported"):
-        gqa_module.causal_gqa_attention(q, k, v)
+    out = gqa_module.causal_gqa_attention(q, k, v)
+    assert out.grad_fn is not None
+    out.sum().backward()
+    assert q.grad is not None and q.grad.shape == q.shape and k.grad is None
     with torch.no_grad():
-        check_fp32(gqa_module.causal_gqa_attention(q, k, v), q.detach(), k, v, "no_grad")
+        plain = gqa_module.causal_gqa_attention(q, k, v)
+    assert plain.grad_fn is None
+    assert torch.equal(plain, out.detach())
+    check_fp32(plain, q.detach(), k, v, "no_grad")
+
+
+def test_cpu_path_trains_like_float64():
+    """CPU inputs take PyTorch's autograd through the same function: gradients against float64."""
+    q, k, v = make_qkv(2, 33, 6, 2, 20)
+    grad_out = torch.randn_like(q)
+    exact = reference_grads(q, k, v, grad_out)
+    for name, got, ref in zip(("dq", "dk", "dv"), project_grads(q, k, v, grad_out), exact):
+        assert rel_err(got, ref) <= 1e-5, name
 
 
 @needs_gpu
@@ -1396,10 +1495,172 @@ def test_gpu_torch_compile_fullgraph_matches_eager():
 
 @needs_gpu
 def test_gpu_opcheck():
+    """opcheck's schema, fake, autograd-registration and dynamo checks, with and without inputs
+    that require grad."""
     op = gqa_module.load_extension().causal_attention.default
     for shape in ((2, 80, 8, 2, 32), (1, 65, 6, 3, 40)):
         q, k, v = make_qkv(*shape, device="cuda")
         torch.library.opcheck(op, (q, k, v))
+        torch.library.opcheck(op, tuple(t.requires_grad_(True) for t in (q, k, v)))
+
+
+# ------------------------------------------------------------------------------------------------
+# Backward: gradients against float64 autograd of the reference
+def reference_grads(q, k, v, grad_out):
+    """dq, dk, dv in float64: autograd through reference.causal_gqa_reference."""
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    reference.causal_gqa_reference(q64, k64, v64).backward(grad_out.double())
+    return q64.grad, k64.grad, v64.grad
+
+
+def project_grads(q, k, v, grad_out):
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    gqa_module.causal_gqa_attention(q, k, v).backward(grad_out)
+    return q.grad, k.grad, v.grad
+
+
+def channel_rel_errs(got, exact):
+    """Norm-relative error of every head-dim channel (the last dim), as a 1-D tensor."""
+    dims = tuple(range(exact.dim() - 1))
+    return (got.double() - exact).pow(2).sum(dim=dims).sqrt() / exact.pow(2).sum(dim=dims).sqrt().clamp_min(1e-300)
+
+
+BACKWARD_GRID = [(B, T, Hq, Hkv, D) for B, T in ((2, 1), (1, 63), (2, 65), (1, 1000))
+                 for Hq, Hkv in ((4, 4), (8, 2), (4, 1)) for D in (1, 40, 64, 128, 256)] + [(1, 4097, 4, 2, 64)]
+
+
+@needs_gpu
+@pytest.mark.parametrize("B, T, Hq, Hkv, D", BACKWARD_GRID)
+def test_gpu_backward_fp32_matches_float64(B, T, Hq, Hkv, D):
+    """fp32 gradients: norm-relative error at most 1e-5 for each of dq, dk, dv, and no head-dim
+    channel off by more than 1e-4 of its own norm."""
+    q, k, v = make_qkv(B, T, Hq, Hkv, D, device="cuda")
+    assert gqa_module.backward_plan(q, k, v) == "backward/fp32"
+    grad_out = torch.randn_like(q)
+    exact = reference_grads(q, k, v, grad_out)
+    for name, got, ref in zip(("dq", "dk", "dv"), project_grads(q, k, v, grad_out), exact):
+        assert got.shape == ref.shape and got.dtype == torch.float32, name
+        assert torch.isfinite(got).all(), name
+        if not ref.any():
+            # T = 1: one key, whose softmax weight is 1 whatever q and k are, so dq and dk are
+            # exactly 0. A row may carry the rounding of dP - delta (two fp32 dot products of D
+            # terms) times k (for dq) or q (for dk): at most 1e-5 of |grad_out| |v| (|q| + |k|) /
+            # sqrt(D) per query row, summed over a kv head's group for dk.
+            kx, vx = (t.repeat_interleave(Hq // Hkv, dim=2) for t in (k, v))
+            bound = grad_out.norm(dim=-1) * vx.norm(dim=-1) * (q.norm(dim=-1) + kx.norm(dim=-1)) / math.sqrt(D)
+            if got.shape[2] != Hq:
+                bound = bound.view(B, T, Hkv, Hq // Hkv).sum(dim=-1)
+            assert (got.norm(dim=-1) <= 1e-5 * bound).all(), name
+            continue
+        err, worst = rel_err(got, ref), channel_rel_errs(got, ref).max().item()
+        print("%s rel %.3g, worst channel %.3g" % (name, err, worst))
+        assert err <= 1e-5, name
+        assert worst <= 1e-4, name
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B, T, Hq, Hkv, D", [(2, 1, 8, 2, 64), (1, 65, 4, 1, 40), (2, 1000, 8, 2, 128),
+                                              (1, 300, 4, 4, 256), (1, 4097, 4, 2, 64)])
+def test_gpu_backward_16bit_within_twice_sdpa(B, T, Hq, Hkv, D, dtype):
+    """fp16 and bf16 gradients: norm-relative error against float64 at most 2x that of SDPA's own
+    gradients on the same inputs, plus 1e-3."""
+    q, k, v = make_qkv(B, T, Hq, Hkv, D, device="cuda", dtype=dtype)
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    expected = "bwdmma/%s/d%d" % (name, D) if D in (64, 128) else "backward/" + name
+    assert gqa_module.backward_plan(q, k, v) == expected
+    grad_out = torch.randn_like(q)
+    exact = reference_grads(q, k, v, grad_out)
+    sq, sk, sv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        sq.transpose(1, 2), sk.transpose(1, 2), sv.transpose(1, 2), is_causal=True, enable_gqa=True).transpose(1, 2)
+    sdpa.backward(grad_out)
+    for name, got, theirs, ref in zip(("dq", "dk", "dv"), project_grads(q, k, v, grad_out), (sq.grad, sk.grad, sv.grad), exact):
+        assert got.dtype == dtype and torch.isfinite(got).all(), name
+        ours_err, sdpa_err = rel_err(got, ref), rel_err(theirs, ref)
+        print("%s ours %.3g, SDPA %.3g" % (name, ours_err, sdpa_err))
+        assert ours_err <= 2 * sdpa_err + 1e-3, name
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_backward_is_deterministic(dtype):
+    q, k, v = make_qkv(2, 300, 8, 2, 64, device="cuda", dtype=dtype)
+    grad_out = torch.randn_like(q)
+    first, second = project_grads(q, k, v, grad_out), project_grads(q, k, v, grad_out)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype, D, plan", [(torch.float32, 16, "backward/fp32"),
+                                            (torch.bfloat16, 64, "bwdmma/bf16/d64"),
+                                            (torch.float16, 128, "bwdmma/fp16/d128")])
+def test_gpu_backward_nonfinite_like_reference(dtype, D, plan):
+    """Inf and NaN in q, k and v: the gradients are NaN exactly where float64 autograd's are, and
+    close to them elsewhere (fp32: allclose 1e-4; 16-bit: norm-relative 2e-2)."""
+    q, k, v = make_qkv(1, 140, 4, 2, D, device="cuda", dtype=dtype)
+    assert gqa_module.backward_plan(q, k, v) == plan
+    q[0, 5, 1, 3] = float("inf")
+    k[0, 9, 0, 2] = float("-inf")
+    v[0, 70, 1, 7] = float("nan")
+    q[0, 100, 2, 0] = 300.0   # a large but finite score: a row whose softmax is one-hot
+    grad_out = torch.randn_like(q)
+    for name, got, ref in zip(("dq", "dk", "dv"), project_grads(q, k, v, grad_out), reference_grads(q, k, v, grad_out)):
+        assert torch.equal(torch.isnan(got), torch.isnan(ref)), name
+        finite = torch.isfinite(ref)
+        assert torch.equal(torch.isfinite(got), finite), name
+        if not finite.any():
+            continue   # every entry NaN or infinite in float64 too (checked just above)
+        if dtype == torch.float32:
+            assert torch.allclose(got[finite].double(), ref[finite], rtol=1e-4, atol=1e-4), name
+        else:
+            assert rel_err(got[finite], ref[finite]) <= 2e-2, name
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype, D, plan", [(torch.float16, 128, "bwdmma/fp16/d128"),
+                                            (torch.bfloat16, 64, "bwdmma/bf16/d64"),
+                                            (torch.float32, 40, "backward/fp32")])
+def test_gpu_backward_of_views_off_16_bytes(dtype, D, plan):
+    """q, k, v and grad_out that start one element into their storage (rows not on 16 bytes): the
+    plan of packed inputs, and gradients as close to float64 as those of packed copies (the forward
+    may take another plan for such rows, so its output, and the gradients, may round differently)."""
+    q, k, v = make_qkv(2, 65, 4, 2, D, device="cuda", dtype=dtype)
+    grad_out = torch.randn_like(q)
+    views = [offset_by_one(t) for t in (q, k, v, grad_out)]
+    assert all(t.data_ptr() % 16 for t in views)
+    assert gqa_module.backward_plan(*views[:3]) == plan
+    exact = reference_grads(q, k, v, grad_out)
+    for name, got, packed, ref in zip(("dq", "dk", "dv"), project_grads(*views), project_grads(q, k, v, grad_out), exact):
+        err, packed_err = rel_err(got, ref), rel_err(packed, ref)
+        print("%s offset %.3g, packed %.3g" % (name, err, packed_err))
+        assert err <= (1e-5 if dtype == torch.float32 else 1.5 * packed_err + 1e-4), name
+
+
+@needs_gpu
+def test_gpu_backward_refuses_mismatched_grad_out():
+    q, k, v = make_qkv(1, 16, 4, 2, 16, device="cuda")
+    op = gqa_module.load_extension().causal_attention_backward.default
+    out = gqa_module.causal_gqa_attention(q, k, v)
+    with pytest.raises(ValueError, match="grad_out must have q's shape"):
+        op(q, k, v, out, out[:, :8])
+    with pytest.raises(ValueError, match="grad_out must have q's dtype"):
+        op(q, k, v, out, out.double())
+
+
+@needs_gpu
+def test_gpu_torch_compile_forward_and_backward_match_eager():
+    model = gqa_module.ModelNew()
+    compiled = torch.compile(model, fullgraph=True)
+    q, k, v = make_qkv(2, 200, 8, 2, 64, device="cuda")
+    grad_out = torch.randn_like(q)
+    grads = []
+    for fn in (model, compiled):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        out = fn(*leaves)
+        out.backward(grad_out)
+        grads.append([out.detach()] + [t.grad for t in leaves])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1412,9 +1673,22 @@ def _load_sanitize():
     return load_bench_script("sanitize")
 
 
+def test_sanitizer_gradient_check_catches_wrong_gradients():
+    """bench/sanitize.py's gradient check: passes the reference itself, fails a NaN where the
+    reference has none and a gradient off by 1%."""
+    sanitize = _load_sanitize()
+    exact = [torch.randn(2, 5, 3, dtype=torch.float64) for _ in range(3)]
+    assert sanitize.check_grads([g.float() for g in exact], exact, "fp32", False)[0]
+    poisoned = [g.clone() for g in exact]
+    poisoned[1][0, 0, 0] = float("nan")
+    assert not sanitize.check_grads(poisoned, exact, "fp32", True)[0]
+    assert not sanitize.check_grads([exact[0] * 1.01] + exact[1:], exact, "fp32", False)[0]
+
+
 def test_sanitizer_cases_take_their_plans_and_cover_every_plan():
     """Each case of bench/sanitize.py takes its declared plan on an H200 (plan_for's defaults), the
-    declared plans are exactly all_plans(), and every plan also runs with Inf/NaN injected."""
+    declared plans are exactly all_plans(), the backward runs in every dtype, and every plan also
+    runs with Inf/NaN injected."""
     sanitize = _load_sanitize()
     wrong = []
     for plan, B, T, Hq, Hkv, D, dtype, aligned, allow_tf32 in sanitize.CASES:
@@ -1427,6 +1701,9 @@ def test_sanitizer_cases_take_their_plans_and_cover_every_plan():
     plans = set(gqa_module.all_plans())
     assert declared == plans, "plans without a case: %s; declared plans no build has: %s" % (
         sorted(plans - declared), sorted(declared - plans))
+    plans |= {"backward/fp32", "backward/fp16", "backward/bf16"} | {
+        "bwdmma/%s/d%d" % (dtype, width) for dtype in ("fp16", "bf16") for width in (64, 128)}
+    assert set(sanitize.BACKWARD_PLANS) == plans - declared
     finite = {case[0] for case, nonfinite in sanitize.runs() if not nonfinite}
     nonfinite = {case[0] for case, nonfinite in sanitize.runs() if nonfinite}
     assert finite == nonfinite == plans, "plans without a finite or a non-finite run: %s" % sorted(
@@ -1476,7 +1753,7 @@ def test_committed_sanitizer_results_are_clean_for_the_current_kernels():
     assert data["source_sha256"] == gqa_module.kernel_source_sha256(), (
         "kernels/ changed since the committed sanitizer run: run `python bench/sanitize.py` again")
     assert not data.get("only"), "the committed run covered only the cases matching %r" % data["only"]
-    plans = set(gqa_module.all_plans())
+    plans = set(gqa_module.all_plans()) | set(_load_sanitize().BACKWARD_PLANS)
     for tool in SANITIZER_TOOLS:
         assert tool in data["tools"], "%s did not run" % tool
         result = data["tools"][tool]

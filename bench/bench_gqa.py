@@ -51,6 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--only", type=str, default=None, help="comma-separated implementation names to run")
     p.add_argument("--sweep-fp16", action="store_true", help="also run the T sweep in float16 (adds ~1-2 min)")
     p.add_argument("--no-sweep", action="store_true", help="the harness and scale shapes only, no T sweep (about half the time)")
+    p.add_argument("--backward", action="store_true",
+                   help="also time the backward at the scale shapes (project and the SDPA backends that train)")
     args = p.parse_args(argv)
     if args.only:
         names = [s.strip() for s in args.only.split(",") if s.strip()]

@@ -9,7 +9,8 @@ Three modes:
                                              # GPU: the driver (see below)
 
 The case list (CASES) holds, for every plan of `gqa_module.all_plans()`, at least one small shape
-that takes that plan on an H200 (132 SMs, an sm_90a build). Every case runs twice: once on finite
+that takes that plan on an H200 (132 SMs, an sm_90a build); BACKWARD_CASES run forward and backward
+through autograd, for each dtype of the backward kernels. Every case runs twice: once on finite
 random inputs, checked loosely against a float64 reference, and once with Inf and NaN injected
 (NaN in v, +Inf in k, -Inf in q), which drives the kernels' non-finite paths, among them the x3
 plan's second launch of the 3xTF32 kernel for the CTAs that met Inf or NaN. The sanitizer slows
@@ -105,10 +106,34 @@ CASES = (
 )
 CASE_FIELDS = ("plan", "B", "T", "Hq", "Hkv", "D", "dtype", "aligned", "allow_tf32")
 
+# The backward (one pair of kernels per dtype, any shape): forward and backward through autograd,
+# each gradient checked against float64 autograd of the reference.
+BACKWARD_CASES = (
+    ("backward/fp32",             1,  45,  6,  2,   7, "fp32", True,  False),  # odd D, G = 3
+    ("backward/fp32",             1,  70,  2,  1, 256, "fp32", True,  False),  # 8 elements a lane
+    ("backward/fp16",             1, 129,  4,  2,  40, "fp16", False, False),  # offset rows
+    ("backward/bf16",             2,  65,  4,  1,  96, "bf16", True,  False),  # MQA
+    ("bwdmma/fp16/d64",           1, 129,  6,  2,  64, "fp16", True,  False),  # 3 tiles, the last ragged
+    ("bwdmma/fp16/d128",          2,  65,  4,  4, 128, "fp16", False, False),  # offset rows, MHA
+    ("bwdmma/bf16/d64",           1,  70,  4,  1,  64, "bf16", True,  False),  # MQA
+    ("bwdmma/bf16/d128",          1, 200,  8,  2, 128, "bf16", True,  False),
+)
+
+
+BACKWARD_PLANS = tuple(sorted({case[0] for case in BACKWARD_CASES}))
+
+
+def every_plan():
+    """The forward plans of the library (all_plans) and the backward's, one per dtype."""
+    import gqa_module
+
+    return sorted(gqa_module.all_plans()) + list(BACKWARD_PLANS)
+
 
 def runs():
-    """Every run of --run-cases, in order: each case on finite inputs, then with Inf and NaN."""
-    return [(case, nonfinite) for case in CASES for nonfinite in (False, True)]
+    """Every run of --run-cases, in order: each case on finite inputs, then with Inf and NaN; the
+    forward plans, then the backward."""
+    return [(case, nonfinite) for case in CASES + BACKWARD_CASES for nonfinite in (False, True)]
 
 
 def _torch_dtype(name):
@@ -189,6 +214,50 @@ def check_output(out, exact, dtype, allow_tf32, nonfinite):
     return True, detail
 
 
+# Norm-relative bounds on each gradient against float64 (again a meaningful run, not the tests' bounds).
+LOOSE_GRAD_TOL = {"fp32": 1e-4, "fp16": 5e-2, "bf16": 5e-2}
+
+
+def check_grads(grads, exact, dtype, nonfinite):
+    """(ok, detail) for dq, dk, dv against float64 autograd's, all on the CPU: NaN exactly where
+    the reference has NaN; on finite inputs, each within LOOSE_GRAD_TOL."""
+    import torch
+
+    details = []
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, exact):
+        got = got.double()
+        if tuple(got.shape) != tuple(ref.shape):
+            return False, "%s shape %s, expected %s" % (name, list(got.shape), list(ref.shape))
+        nan_diff = int((torch.isnan(got) != torch.isnan(ref)).sum())
+        if nan_diff:
+            return False, "%s NaN pattern differs from the reference at %d elements" % (name, nan_diff)
+        if not nonfinite:
+            err = float((got - ref).norm() / ref.norm().clamp_min(1e-300))
+            details.append("%s_rel=%.2e" % (name, err))
+            if not err <= LOOSE_GRAD_TOL[dtype]:
+                return False, " ".join(details) + " exceeds %.0e" % LOOSE_GRAD_TOL[dtype]
+        else:
+            details.append("%s_nan=%d" % (name, int(torch.isnan(ref).sum())))
+    return True, " ".join(details)
+
+
+def _run_backward(host, q, k, v, grad_host, reference):
+    """The gradients of q, k and v (on the CPU) from autograd through the library, and float64
+    autograd's through the reference."""
+    import torch
+
+    import gqa_module
+
+    leaves = [t.requires_grad_(True) for t in (q, k, v)]
+    out = gqa_module.causal_gqa_attention(*leaves)
+    grads = torch.autograd.grad(out, leaves, _upload(grad_host, True))
+    torch.cuda.synchronize()
+    grads = [g.cpu() for g in grads]
+    exact_leaves = [host[name].double().requires_grad_(True) for name in ("q", "k", "v")]
+    exact = torch.autograd.grad(reference.causal_gqa_reference(*exact_leaves), exact_leaves, grad_host.double())
+    return grads, exact
+
+
 def run_cases(seed, only=None, start=0):
     """Run every case (or those whose plan matches `only`) from number `start` + 1 on; returns the
     process exit code. A case's inputs depend only on the seed and its number."""
@@ -223,15 +292,24 @@ def run_cases(seed, only=None, start=0):
                     host[name][where] = value
             q, k, v = (_upload(host[name], aligned) for name in ("q", "k", "v"))
             torch.backends.cuda.matmul.allow_tf32 = allow_tf32
-            got_plan = gqa_module.plan(q, k, v)
-            if got_plan != plan:
-                raise AssertionError("plan %s, expected %s" % (got_plan, plan))
-            out = gqa_module.causal_gqa_attention(q, k, v)
-            torch.cuda.synchronize()
-            out_host = out.cpu()
-            del q, k, v, out
-            exact = reference.causal_gqa_reference(host["q"], host["k"], host["v"])
-            ok, detail = check_output(out_host, exact, dtype, allow_tf32, nonfinite)
+            if plan in BACKWARD_PLANS:
+                got_plan = gqa_module.backward_plan(q, k, v)
+                if got_plan != plan:
+                    raise AssertionError("backward plan %s, expected %s" % (got_plan, plan))
+                grad_host = torch.randn(B, T, Hq, D, generator=gen).to(_torch_dtype(dtype))
+                grads, exact = _run_backward(host, q, k, v, grad_host, reference)
+                del q, k, v
+                ok, detail = check_grads(grads, exact, dtype, nonfinite)
+            else:
+                got_plan = gqa_module.plan(q, k, v)
+                if got_plan != plan:
+                    raise AssertionError("plan %s, expected %s" % (got_plan, plan))
+                out = gqa_module.causal_gqa_attention(q, k, v)
+                torch.cuda.synchronize()
+                out_host = out.cpu()
+                del q, k, v, out
+                exact = reference.causal_gqa_reference(host["q"], host["k"], host["v"])
+                ok, detail = check_output(out_host, exact, dtype, allow_tf32, nonfinite)
         except Exception as exc:   # report and go on: the sanitizer still checks the other cases
             ok, detail = False, "%s: %s" % (type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         finally:
@@ -244,7 +322,7 @@ def run_cases(seed, only=None, start=0):
             detail, 1e3 * (time.perf_counter() - t0)), flush=True)
     ran = len(selected[start:])
     print("CASES %d run, %d ok, %d failed; plans covered %d/%d; %.1f s" % (
-        ran, ran - failed, failed, len(covered), len(gqa_module.all_plans()),
+        ran, ran - failed, failed, len(covered), len(every_plan()),
         time.perf_counter() - started), flush=True)
     return 1 if failed else 0
 
@@ -433,7 +511,7 @@ def drive(args):
         "seed": seed,
         "only": args.only,
         "cases": len(runs()) if not args.only else None,
-        "plans": sorted(gqa_module.all_plans()),
+        "plans": every_plan(),
         "environment": SANITIZER_ENV,
         "plain": None,
         "tools": {},
@@ -565,8 +643,8 @@ def list_cases():
         bad += got != case[0]
         print("%-26s %-36s %s" % (case[0], case_label(case, False), "" if got == case[0] else "plan_for: " + got))
     missing = set(gqa_module.all_plans()) - {c[0] for c in CASES}
-    print("%d cases (%d runs with the non-finite ones); plans covered %d/%d%s" % (
-        len(CASES), len(runs()), len(gqa_module.all_plans()) - len(missing), len(gqa_module.all_plans()),
+    print("%d cases and %d backward cases (%d runs with the non-finite ones); forward plans covered %d/%d%s" % (
+        len(CASES), len(BACKWARD_CASES), len(runs()), len(gqa_module.all_plans()) - len(missing), len(gqa_module.all_plans()),
         "; missing: " + ", ".join(sorted(missing)) if missing else ""))
     return 1 if bad or missing else 0
 

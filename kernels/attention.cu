@@ -33,6 +33,9 @@
 #undef GQA_DTYPE
 #undef GQA_WIDTH
 
+// The backward (every dtype) is small enough to live here too.
+#include "backward/backward.cu"
+
 namespace {
 
 __global__ void gqa_empty_kernel() {}
@@ -121,9 +124,62 @@ void gqa_set_module_loader(GqaModuleLoader loader) { g_loader.store(loader); }
 const char* gqa_family_name(int family) { return family >= 0 && family < kGqaFamilies ? kFamilyNames[family] : "?"; }
 const char* gqa_dtype_name(int dtype) { return dtype >= 0 && dtype < 3 ? kDtypeNames[dtype] : "?"; }
 
+// The backward: fp16 and bf16 at head_dim 64 and 128 on the tensor-core unit (bwdmma/, built on
+// first use like the forward units), everything else on the row-wise kernels compiled in here.
+namespace {
+bool backward_on_tensor_cores(const GqaBwdParams& p) { return p.dtype != kGqaFloat32 && (p.D == 64 || p.D == 128); }
+std::atomic<GqaBwdLauncher> g_bwd_launchers[3][2];
+
+// The tensor-core unit of a backward call, asked once from the loader and kept (null: unavailable).
+GqaBwdLauncher backward_launcher(const GqaBwdParams& p) {
+    std::atomic<GqaBwdLauncher>& slot = g_bwd_launchers[p.dtype][p.D == 64 ? 0 : 1];
+    GqaBwdLauncher launch = slot.load(std::memory_order_acquire);
+    if (launch != nullptr) return launch;
+    const GqaModuleLoader loader = g_loader.load();
+    if (loader == nullptr) return nullptr;
+    launch = reinterpret_cast<GqaBwdLauncher>(loader(gqa_backward_plan(p), p.dtype, p.D, 0));
+    if (launch != nullptr) slot.store(launch, std::memory_order_release);
+    return launch;
+}
+}  // namespace
+
+const char* gqa_backward_plan(const GqaBwdParams& p) {
+    static const char* const kNames[3][3] = {{"backward/fp32", "", ""},
+                                             {"backward/fp16", "bwdmma/fp16/d64", "bwdmma/fp16/d128"},
+                                             {"backward/bf16", "bwdmma/bf16/d64", "bwdmma/bf16/d128"}};
+    if (p.dtype < 0 || p.dtype > 2) return "?";
+    return kNames[p.dtype][backward_on_tensor_cores(p) ? (p.D == 64 ? 1 : 2) : 0];
+}
+
+int gqa_backward(const GqaBwdParams& params, void* stream) {
+    if (int64_t(params.B) * params.T * params.Hq == 0) return 0;
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    GqaBwdParams p = params;
+    p.rows_if_nonfinite = false;
+    if (!backward_on_tensor_cores(p)) return int(backward_rows(p, s));
+    const GqaBwdLauncher launch = backward_launcher(p);
+    if (launch == nullptr) return kGqaModuleUnavailable;
+    // The scan, the tensor-core kernels (which do nothing on non-finite inputs), then the row-wise
+    // ones (which do nothing on finite inputs): no host round trip.
+    cudaError_t err = scan_nonfinite(p, s);
+    if (err != cudaSuccess) return int(err);
+    const int launched = launch(&p, stream);
+    if (launched != 0) return launched;
+    p.rows_if_nonfinite = true;
+    return int(backward_rows(p, s));
+}
+
+// Every forward plan's unit and every backward tensor-core unit; returns how many could not load.
 int gqa_load_every_plan() {
     int missing = 0;
     for (const GqaPlan& plan : every_plan()) missing += launcher_for(plan) == nullptr;
+    for (int dtype : {kGqaFloat16, kGqaBFloat16}) {
+        for (int width : {64, 128}) {
+            GqaBwdParams p{};
+            p.dtype = dtype, p.D = width;
+            missing += backward_launcher(p) == nullptr;
+        }
+    }
     return missing;
 }
 

@@ -17,6 +17,7 @@
 
 #include <cmath>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gqa_params.h"
@@ -185,8 +186,8 @@ std::string plan_for(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, c
 // Where attention.cu asks for a family's library on its first use (a GqaModuleLoader's address).
 void set_module_loader(int64_t address) { gqa_set_module_loader(reinterpret_cast<GqaModuleLoader>(address)); }
 
-// Builds and loads the kernels of every plan (what first calls build one at a time); returns how
-// many could not be loaded.
+// Builds and loads the kernels of every plan and the backward's tensor-core units (what first calls
+// build one at a time); returns how many could not be loaded.
 int64_t load_every_plan() { return gqa_load_every_plan(); }
 
 std::vector<std::string> all_plans() {
@@ -216,15 +217,76 @@ at::Tensor empty_call_cuda(const at::Tensor& q, const at::Tensor& k, const at::T
     return out;
 }
 
-// Backward is not implemented: refuse loudly rather than return an output detached from the graph.
+// The backward's sizes, scales and dtype (no pointers).
+GqaBwdParams backward_params_of(const at::Tensor& q, const at::Tensor& k) {
+    GqaBwdParams p{};
+    p.B = int(q.size(0)), p.T = int(q.size(1)), p.Hq = int(q.size(2)), p.Hkv = int(k.size(2)), p.D = int(q.size(3));
+    p.group = p.Hq / p.Hkv;
+    p.scale = float(1.0 / std::sqrt(double(p.D)));
+    p.scale_log2 = float(1.4426950408889634 / std::sqrt(double(p.D)));
+    p.dtype = dtype_code(q.scalar_type());
+    return p;
+}
+
+// dq, dk and dv of causal_attention, from its inputs, its output and the output's gradient.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward_cuda(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out_in,
+    const at::Tensor& grad_in) {
+    check_inputs(q_in, k_in, v_in);
+    GQA_CHECK_ARG(out_in.sizes() == q_in.sizes() && grad_in.sizes() == q_in.sizes(),
+                  "backward: out and grad_out must have q's shape ", dims(q_in.sizes()), ", got out ",
+                  dims(out_in.sizes()), " and grad_out ", dims(grad_in.sizes()));
+    GQA_CHECK_ARG(out_in.scalar_type() == q_in.scalar_type() && grad_in.scalar_type() == q_in.scalar_type(),
+                  "backward: out and grad_out must have q's dtype ", c10::toString(q_in.scalar_type()), ", got out ",
+                  c10::toString(out_in.scalar_type()), " and grad_out ", c10::toString(grad_in.scalar_type()));
+    GQA_CHECK_ARG(out_in.device() == q_in.device() && grad_in.device() == q_in.device(),
+                  "backward: out and grad_out must be on q's device ", q_in.device().str());
+    const c10::cuda::CUDAGuard device_guard(q_in.device());
+    // The tensor-core kernels read 16-byte vectors: a contiguous tensor that starts off 16 bytes
+    // (a view at an odd offset) is copied once, O(T) against the backward's O(T^2).
+    const auto packed = [](const at::Tensor& t) {
+        const at::Tensor c = t.contiguous();
+        return reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone();
+    };
+    const at::Tensor q = packed(q_in), k = packed(k_in), v = packed(v_in), out = packed(out_in), grad = packed(grad_in);
+    at::Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options());
+    at::Tensor dv = at::empty(v.sizes(), v.options());
+    if (q.numel() == 0) return {dq, dk.zero_(), dv.zero_()};
+    const int64_t rows = q.size(0) * q.size(1) * q.size(2);
+    at::Tensor scratch = at::empty({2 * rows + 1}, q.options().dtype(c10::ScalarType::Float));
+    GqaBwdParams p = backward_params_of(q, k);
+    p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr(), p.o = out.data_ptr(), p.dout = grad.data_ptr();
+    p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
+    p.lse2 = scratch.data_ptr<float>(), p.delta = p.lse2 + rows;
+    p.nonfinite = reinterpret_cast<int*>(p.delta + rows);
+    const int err = gqa_backward(p, c10::cuda::getCurrentCUDAStream().stream());
+    TORCH_CHECK(err != kGqaModuleUnavailable, "causal_gqa_attention backward: the kernels of ", gqa_backward_plan(p),
+                " could not be built or loaded (the build's error is printed above)");
+    TORCH_CHECK(err == 0, "causal_gqa_attention backward: kernel launch failed (", gqa_backward_plan(p), "): ",
+                cudaGetErrorString(static_cast<cudaError_t>(err)));
+    return {dq, dk, dv};
+}
+
+// Which backward kernels a call with these inputs runs.
+std::string backward_plan_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    check_inputs(q, k, v);
+    return gqa_backward_plan(backward_params_of(q, k));
+}
+
+// With grad mode on and an input that requires grad, the call goes to causal_attention_trainable:
+// the same kernels, whose autograd formula (gqa_module.py registers it) runs
+// causal_attention_backward. Otherwise it skips autograd, so inference pays nothing for it.
 at::Tensor causal_attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-    TORCH_CHECK(!(c10::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad())),
-                "causal_gqa_attention: backward is not supported yet, but an input requires grad. "
-                "Call it under torch.no_grad() or give it detached tensors.");
+    using Signature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
+    if (c10::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad())) {
+        static const auto trainable = c10::Dispatcher::singleton()
+                                          .findSchemaOrThrow("gqa_attn::causal_attention_trainable", "")
+                                          .typed<Signature>();
+        return trainable.call(q, k, v);
+    }
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("gqa_attn::causal_attention", "")
-                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+    static const auto op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("gqa_attn::causal_attention", "").typed<Signature>();
     return op.call(q, k, v);
 }
 
@@ -232,9 +294,12 @@ at::Tensor causal_attention_autograd(const at::Tensor& q, const at::Tensor& k, c
 
 TORCH_LIBRARY(gqa_attn, m) {
     m.def("causal_attention(Tensor q, Tensor k, Tensor v) -> Tensor");
+    m.def("causal_attention_trainable(Tensor q, Tensor k, Tensor v) -> Tensor");
+    m.def("causal_attention_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor grad_out) -> (Tensor, Tensor, Tensor)");
     m.def("empty_call(Tensor q, Tensor k, Tensor v) -> Tensor");
     m.def("read_floor(Tensor q, Tensor k, Tensor v) -> Tensor");
     m.def("plan(Tensor q, Tensor k, Tensor v) -> str");
+    m.def("backward_plan(Tensor q, Tensor k, Tensor v) -> str");
     m.def("plan_for(int B, int T, int Hq, int Hkv, int D, ScalarType dtype, bool aligned, bool allow_tf32, "
           "int sm_count, int cc_major) -> str", &plan_for);
     m.def("all_plans() -> str[]", &all_plans);
@@ -245,9 +310,12 @@ TORCH_LIBRARY(gqa_attn, m) {
 
 TORCH_LIBRARY_IMPL(gqa_attn, CUDA, m) {
     m.impl("causal_attention", &causal_attention_cuda);
+    m.impl("causal_attention_trainable", &causal_attention_cuda);
+    m.impl("causal_attention_backward", &causal_attention_backward_cuda);
     m.impl("empty_call", &empty_call_cuda);
     m.impl("read_floor", &read_floor_cuda);
     m.impl("plan", &plan_cuda);
+    m.impl("backward_plan", &backward_plan_cuda);
 }
 
 TORCH_LIBRARY_IMPL(gqa_attn, Autograd, m) { m.impl("causal_attention", &causal_attention_autograd); }

@@ -34,6 +34,32 @@ struct GqaParams {
 };
 
 // The device facts a plan depends on.
+// The backward's inputs and outputs: every tensor contiguous, q, o, dout and dq (B, T, Hq, D), k, v,
+// dk and dv (B, T, Hkv, D), in one dtype; lse2 and delta are scratch of B * T * Hq floats each.
+struct GqaBwdParams {
+    const void* q;
+    const void* k;
+    const void* v;
+    const void* o;
+    const void* dout;
+    void* dq;
+    void* dk;
+    void* dv;
+    float* lse2;        // per query row: log2 of the softmax's sum of 2^(s * log2(e))
+    float* delta;       // per query row: dout . o
+    // Set on the device before the tensor-core kernels: 1 when q, k, v, o or dout holds Inf or
+    // NaN. Those kernels then do nothing and the row-wise ones, told to by rows_if_nonfinite, run
+    // instead: a tile product multiplies masked zeros by the values of keys and queries the row
+    // does not attend, and 0 * Inf is NaN.
+    int* nonfinite;
+    bool rows_if_nonfinite;   // the row-wise kernels run only when *nonfinite is set
+    int B, T, Hq, Hkv, D;
+    int group;          // Hq / Hkv
+    float scale;        // 1 / sqrt(D)
+    float scale_log2;   // log2(e) / sqrt(D)
+    int dtype;          // GqaDtype
+};
+
 struct GqaDevice {
     int sm_count;
     int cc_major;
@@ -60,6 +86,7 @@ typedef int (*GqaLauncher)(const GqaParams* params, const GqaPlan* plan, void* s
 // "family/dtype/dWIDTH" (kernels/<family>/<family>.cu with GQA_DTYPE = dtype, a GqaDtype, and
 // GQA_WIDTH = width), for sm_90a where `sm90a` is 1; returns its GqaLauncher, or null on failure.
 typedef void* (*GqaModuleLoader)(const char* unit, int dtype, int width, int sm90a);
+typedef int (*GqaBwdLauncher)(const GqaBwdParams* params, void* stream);
 // gqa_forward's result when the plan's library could not be built or loaded.
 constexpr int kGqaModuleUnavailable = -1;
 
@@ -80,6 +107,9 @@ const char* gqa_dtype_name(int dtype);     // "fp32", "fp16" or "bf16"
 // Finds (building where needed) the launcher of every plan; returns how many could not be loaded.
 int gqa_load_every_plan();
 int gqa_empty_launch(void* out, void* stream);
+int gqa_backward(const GqaBwdParams& params, void* stream);   // dq, dk and dv; 0 or a cudaError_t
+// Which backward a call runs: "bwdmma/<dtype>/d<width>" (tensor cores) or "backward/<dtype>" (row-wise).
+const char* gqa_backward_plan(const GqaBwdParams& params);
 // Reads q, k and v once and writes o = q: the memory floor of a call, for benchmarks.
 int gqa_read_floor(const GqaParams& params, void* stream);
 

@@ -5,6 +5,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT = REPO_ROOT / "bench" / "results"
 
 MODES = ("harness", "back_to_back", "graph")
+# Backward rows (--backward): forward + backward minus forward, back to back; FLOPs counted as 2.5x
+# the forward's (FlashAttention's convention); the implementations that train.
+BACKWARD_MODE = "backward"
+ALL_MODES = MODES + (BACKWARD_MODE,)
+BACKWARD_FLOP_FACTOR = 2.5
+BACKWARD_IMPLS = ("project", "sdpa_expand_efficient", "sdpa_flash", "sdpa_cudnn")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 TOLERANCE = {"float32": 1e-3, "bfloat16": 2e-2, "float16": 2e-2}

@@ -185,6 +185,9 @@ def _method(info: dict) -> list:
         "synchronize, 256 MB L2 flush, event, call, event, synchronize; median is the row's ms, mean is shown too. "
         f"reference_loops (≈100 ms a call) uses {config.LOOPS_WARMUP} warm-up and {config.LOOPS_TRIALS} trials.",
         f"- back_to_back: median of {info.get('do_bench_note', 'triton.testing.do_bench')} (return_mode='median').",
+        f"- backward: forward + backward (inputs that require grad, a fixed output gradient) minus the forward, "
+        f"medians by the back_to_back method; TFLOP/s count {config.BACKWARD_FLOP_FACTOR:g}x the forward's FLOPs; rel_err is "
+        "left empty (gradients are checked by the tests, not by the benchmark).",
         f"- graph: {config.GRAPH_CALLS} calls captured in one CUDA graph after side-stream warm-up; median of "
         f"{config.GRAPH_REPLAYS} timed replays divided by {config.GRAPH_CALLS} (reference_loops: {config.LOOPS_GRAPH_CALLS} calls, "
         f"{config.LOOPS_GRAPH_REPLAYS} replays). No L2 flush between calls.",

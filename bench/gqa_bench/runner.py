@@ -9,7 +9,7 @@ import time
 import warnings
 
 from .check import check, reference_for
-from .config import MEMORY_FRACTION, REPO_ROOT
+from .config import BACKWARD_FLOP_FACTOR, BACKWARD_IMPLS, BACKWARD_MODE, MEMORY_FRACTION, REPO_ROOT
 from .errors import format_error
 from .impls import HARNESS_ONLY, Implementations, estimate_bytes, materialises_scores
 from .schema import COMPILE_KEYS
@@ -163,7 +163,8 @@ class Bench:
     def add_row(self, shape, dtype_name, impl, mode, ms=None, rel_err=None, error=None, mean=None):
         tflops = None
         if ms is not None and ms > 0:
-            tflops = round(flops_of(shape) / (ms * 1e9), 4)
+            factor = BACKWARD_FLOP_FACTOR if mode == BACKWARD_MODE else 1.0
+            tflops = round(factor * flops_of(shape) / (ms * 1e9), 4)
             ms = round(float(ms), 6)
         row = {
             "shape": [int(s) for s in shape],
@@ -222,6 +223,9 @@ class Bench:
         self.cleanup()
 
     def run_impl(self, name, shape, dtype_name, modes, args, ref, ref_rows):
+        modes = [m for m in modes if m != BACKWARD_MODE or name in BACKWARD_IMPLS]
+        if not modes:
+            return
         try:
             skip = self.memory_guard(name, shape, dtype_name)
         except Exception as e:
@@ -245,7 +249,9 @@ class Bench:
                         continue
                     try:
                         ms, mean = self.timer.time(mode, fn, args, name)
-                        self.add_row(shape, dtype_name, name, mode, ms, rel_err, mean=mean)
+                        # the forward's error; gradients are checked by the tests, not here
+                        row_err = None if mode == BACKWARD_MODE else rel_err
+                        self.add_row(shape, dtype_name, name, mode, ms, row_err, mean=mean)
                     except Exception as e:
                         self.add_row(shape, dtype_name, name, mode, rel_err=rel_err, error=format_error(e))
                         self.cleanup()

@@ -8,7 +8,7 @@ import math
 import os
 import re
 
-from .config import DTYPE_NAMES, MODES
+from .config import ALL_MODES, DTYPE_NAMES
 from .impls import IMPL_NAMES
 
 TOP_KEYS = ("gpu", "torch", "cuda", "date", "source_sha256", "compile", "rows")
@@ -42,8 +42,8 @@ def _check_row(row: dict, where: str, problems: list) -> None:
         problems.append(f"{where}.dtype: {row['dtype']!r} not in {list(DTYPE_NAMES)}")
     if "impl" in row and row["impl"] not in IMPL_NAMES:
         problems.append(f"{where}.impl: {row['impl']!r} not in {list(IMPL_NAMES)}")
-    if "mode" in row and row["mode"] not in MODES:
-        problems.append(f"{where}.mode: {row['mode']!r} not in {list(MODES)}")
+    if "mode" in row and row["mode"] not in ALL_MODES:
+        problems.append(f"{where}.mode: {row['mode']!r} not in {list(ALL_MODES)}")
     for key in ("ms", "tflops", "rel_err"):
         if key in row and row[key] is not None and not (is_number(row[key]) and row[key] >= 0):
             problems.append(f"{where}.{key}: expected null or a non-negative number, got {row[key]!r}")

@@ -1,5 +1,5 @@
 """The shapes a run measures, (B, T, Hq, Hkv, D), and the plan built from the command line."""
-from .config import MODES
+from .config import BACKWARD_MODE, MODES
 
 HARNESS_SHAPE = (2, 80, 8, 2, 32)
 SCALE_CONFIGS = (
@@ -32,14 +32,15 @@ def build_plan(args):
     seen = {(HARNESS_SHAPE, "float32")}
     sweep_shapes: dict = {}
 
-    def add(shape, dtype_name):
+    def add(shape, dtype_name, modes=("back_to_back",)):
         if (shape, dtype_name) not in seen:
             seen.add((shape, dtype_name))
-            plan.append((shape, dtype_name, ("back_to_back",)))
+            plan.append((shape, dtype_name, modes))
 
+    scale_modes = ("back_to_back", BACKWARD_MODE) if getattr(args, "backward", False) else ("back_to_back",)
     for shape, dtypes in QUICK_CONFIGS if args.quick else SCALE_CONFIGS:
         for d in dtypes:
-            add(shape, d)
+            add(shape, d, scale_modes)
     if not args.quick and not args.no_sweep:
         dtypes = SWEEP_DTYPES + (("float16",) if args.sweep_fp16 else ())
         for d in dtypes:

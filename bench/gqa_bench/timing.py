@@ -2,6 +2,7 @@
 import statistics
 
 from .config import (
+    BACKWARD_MODE,
     FLUSH_BYTES,
     GRAPH_CALLS,
     GRAPH_REPLAYS,
@@ -35,6 +36,8 @@ class Timer:
             return self.time_harness(fn, args, name)
         if mode == "back_to_back":
             return float(self.do_bench(lambda: fn(*args), return_mode="median")), None
+        if mode == BACKWARD_MODE:
+            return self.time_backward(fn, args), None
         return self.time_graph(fn, args, name), None
 
     def _elapsed_ms(self, fn, *args):
@@ -47,6 +50,26 @@ class Timer:
         end.record()
         torch.cuda.synchronize()
         return start.elapsed_time(end)
+
+    def time_backward(self, fn, args):
+        """The backward alone: the median of forward + backward (inputs that require grad, a fixed
+        output gradient) minus the median of the forward with the same inputs, both by do_bench."""
+        torch = self.torch
+        leaves = [a.detach().clone().requires_grad_(True) for a in args]
+        grad = torch.randn_like(args[0])
+
+        def forward():
+            return fn(*leaves)
+
+        def forward_backward():
+            for leaf in leaves:
+                leaf.grad = None
+            fn(*leaves).backward(grad)
+
+        with torch.enable_grad():
+            both = float(self.do_bench(forward_backward, return_mode="median"))
+            alone = float(self.do_bench(forward, return_mode="median"))
+        return both - alone
 
     def time_harness(self, fn, args, name):
         """Median and mean over trials of: synchronize, flush L2, one call between two events."""

@@ -1,0 +1,212 @@
+// Causal GQA, backward: dQ, dK and dV from q, k, v, the forward's output o and the output's
+// gradient dO, for fp32, fp16 and bf16 inputs (fp32 arithmetic, gradients in the input dtype).
+// Compiled into the entry library.
+//
+// With s_ij = q_i . k_j / sqrt(D) over the keys j <= t(i), p = softmax(s) and delta_i = dO_i . o_i:
+//   dS_ij = p_ij (dO_i . v_j - delta_i)
+//   dQ_i  = sum_j dS_ij k_j / sqrt(D)
+//   dK_j  = sum_i dS_ij q_i / sqrt(D)      over every row i (all G query heads of j's kv head)
+//   dV_j  = sum_i p_ij dO_i
+// Two kernels, one warp per row, each lane holding head-dim elements lane, lane + 32, ...; every
+// sum runs in a fixed order, so results are bitwise equal across runs (no atomics):
+//   1. query rows: delta_i, then one pass over the keys with an online softmax that also carries
+//      dQ (rescaled when the running maximum grows, divided by the row's sum at the end); writes
+//      dQ and the row's log-sum-exp and delta for kernel 2. No forward statistics are needed, so
+//      the forward keeps nothing when no backward follows.
+//   2. key rows (batch, time, kv head): every query row at or after the key, in the G heads of the
+//      group, recomputes p_ij from the stored log-sum-exp and adds into dK and dV.
+// Plain FMA, no tensor cores: fp32 inputs, and 16-bit ones at head dims without a tensor-core unit
+// (bwdmma/: fp16 and bf16 at 64 and 128), whose reference it also is in the tests. Inf and NaN
+// flow through the same arithmetic as the definition, so they reach the gradients the float64
+// reference gives them.
+
+#include "common/base.cuh"
+
+namespace {
+
+constexpr int kBwdWarps = 8;                        // warps per CTA; one row each
+constexpr int kBwdLaneElems = kGqaMaxHeadDim / 32;  // head-dim elements per lane, at most
+
+__device__ __forceinline__ float warp_sum(float x) {
+    for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+    return x;
+}
+
+// Elements lane, lane + 32, ... of a D-long row, in fp32; zeros past D.
+template <typename Elem>
+__device__ __forceinline__ void load_row(float (&dst)[kBwdLaneElems], const Elem* row, int D, int lane, bool bf16) {
+#pragma unroll
+    for (int e = 0; e < kBwdLaneElems; ++e) {
+        const int d = lane + 32 * e;
+        dst[e] = d < D ? to_float(row[d], bf16) : 0.f;
+    }
+}
+
+template <typename Elem>
+__device__ __forceinline__ void store_row(Elem* row, const float (&src)[kBwdLaneElems], float scale, int D, int lane,
+                                          bool bf16) {
+#pragma unroll
+    for (int e = 0; e < kBwdLaneElems; ++e) {
+        const int d = lane + 32 * e;
+        if (d < D) row[d] = from_float<Elem>(src[e] * scale, bf16);
+    }
+}
+
+__device__ __forceinline__ float dot(const float (&a)[kBwdLaneElems], const float (&b)[kBwdLaneElems]) {
+    float s = 0.f;
+#pragma unroll
+    for (int e = 0; e < kBwdLaneElems; ++e) s = fmaf(a[e], b[e], s);
+    return warp_sum(s);
+}
+
+// This warp's row of a [B, T, H, D] tensor (one warp per row, kBwdWarps rows per CTA).
+struct WarpRow {
+    int64_t row, b;
+    int t, head, lane;
+    bool valid;
+};
+__device__ __forceinline__ WarpRow warp_row(const GqaBwdParams& p, int heads) {
+    WarpRow w;
+    w.row = int64_t(blockIdx.x) * kBwdWarps + threadIdx.x / 32;
+    w.lane = threadIdx.x % 32;
+    w.valid = w.row < int64_t(p.B) * p.T * heads;
+    w.head = int(w.row % heads);
+    w.t = int(w.row / heads % p.T);
+    w.b = w.row / heads / p.T;
+    return w;
+}
+
+// Kernel 1: one warp per query row (b, t, h), rows in [B, T, Hq] order.
+template <typename Elem>
+__global__ void __launch_bounds__(32 * kBwdWarps) gqa_bwd_query_kernel(const GqaBwdParams p) {
+    const WarpRow w = warp_row(p, p.Hq);
+    if (!w.valid || (p.rows_if_nonfinite && *p.nonfinite == 0)) return;
+    const int64_t row = w.row, b = w.b;
+    const int lane = w.lane, t = w.t;
+    const bool bf16 = p.dtype == kGqaBFloat16;
+    const int64_t kv_head = w.head / p.group;
+    const int64_t rd = row * p.D;
+
+    float q[kBwdLaneElems], dout[kBwdLaneElems], acc[kBwdLaneElems], x[kBwdLaneElems], y[kBwdLaneElems];
+    load_row(q, static_cast<const Elem*>(p.q) + rd, p.D, lane, bf16);
+    load_row(dout, static_cast<const Elem*>(p.dout) + rd, p.D, lane, bf16);
+    load_row(x, static_cast<const Elem*>(p.o) + rd, p.D, lane, bf16);
+    const float delta = dot(dout, x);
+#pragma unroll
+    for (int e = 0; e < kBwdLaneElems; ++e) acc[e] = 0.f;
+
+    // Scores in log2 units: s2 = s * log2(e). m: running maximum, l: running sum of 2^(s2 - m);
+    // acc: sum of 2^(s2 - m) (dO . v_j - delta) k_j.
+    float m = -INFINITY, l = 0.f;
+    for (int j = 0; j <= t; ++j) {
+        const int64_t kd = ((b * p.T + j) * p.Hkv + kv_head) * p.D;
+        load_row(x, static_cast<const Elem*>(p.k) + kd, p.D, lane, bf16);
+        load_row(y, static_cast<const Elem*>(p.v) + kd, p.D, lane, bf16);
+        const float s2 = dot(q, x) * p.scale_log2;
+        const float dp = dot(dout, y);
+        if (s2 > m) {
+            const float r = exp2f(m - s2);
+            l *= r;
+#pragma unroll
+            for (int e = 0; e < kBwdLaneElems; ++e) acc[e] *= r;
+            m = s2;
+        }
+        const float w = s2 == -INFINITY ? 0.f : exp2f(s2 - m);   // p = 0 there, even while m is -inf
+        l += w;
+        const float ds = w * (dp - delta);
+#pragma unroll
+        for (int e = 0; e < kBwdLaneElems; ++e) acc[e] = fmaf(ds, x[e], acc[e]);
+    }
+    store_row(static_cast<Elem*>(p.dq) + rd, acc, p.scale / l, p.D, lane, bf16);
+    if (lane == 0) {
+        p.lse2[row] = m + log2f(l);
+        p.delta[row] = delta;
+    }
+}
+
+// Kernel 2: one warp per key row (b, j, kv head), rows in [B, T, Hkv] order, so the keys with the
+// most query rows after them start first.
+template <typename Elem>
+__global__ void __launch_bounds__(32 * kBwdWarps) gqa_bwd_key_kernel(const GqaBwdParams p) {
+    const WarpRow w = warp_row(p, p.Hkv);
+    if (!w.valid || (p.rows_if_nonfinite && *p.nonfinite == 0)) return;
+    const int64_t b = w.b;
+    const int lane = w.lane, j = w.t, kv_head = w.head;
+    const bool bf16 = p.dtype == kGqaBFloat16;
+    const int64_t kd = w.row * p.D;
+
+    float k[kBwdLaneElems], v[kBwdLaneElems], dk[kBwdLaneElems], dv[kBwdLaneElems];
+    float q[kBwdLaneElems], dout[kBwdLaneElems];
+    load_row(k, static_cast<const Elem*>(p.k) + kd, p.D, lane, bf16);
+    load_row(v, static_cast<const Elem*>(p.v) + kd, p.D, lane, bf16);
+#pragma unroll
+    for (int e = 0; e < kBwdLaneElems; ++e) dk[e] = dv[e] = 0.f;
+
+    for (int i = j; i < p.T; ++i) {
+        for (int g = 0; g < p.group; ++g) {
+            const int64_t qrow = (b * p.T + i) * p.Hq + int64_t(kv_head) * p.group + g;
+            load_row(q, static_cast<const Elem*>(p.q) + qrow * p.D, p.D, lane, bf16);
+            load_row(dout, static_cast<const Elem*>(p.dout) + qrow * p.D, p.D, lane, bf16);
+            const float s2 = dot(q, k) * p.scale_log2;
+            const float dp = dot(dout, v);
+            const float prob = exp2f(s2 - p.lse2[qrow]);
+            const float ds = prob * (dp - p.delta[qrow]);
+#pragma unroll
+            for (int e = 0; e < kBwdLaneElems; ++e) {
+                dv[e] = fmaf(prob, dout[e], dv[e]);
+                dk[e] = fmaf(ds, q[e], dk[e]);
+            }
+        }
+    }
+    store_row(static_cast<Elem*>(p.dk) + kd, dk, p.scale, p.D, lane, bf16);
+    store_row(static_cast<Elem*>(p.dv) + kd, dv, 1.f, p.D, lane, bf16);
+}
+
+template <typename Elem>
+cudaError_t launch_backward_rows(const GqaBwdParams& p, cudaStream_t stream) {
+    const int64_t query_ctas = (int64_t(p.B) * p.T * p.Hq + kBwdWarps - 1) / kBwdWarps;
+    const int64_t key_ctas = (int64_t(p.B) * p.T * p.Hkv + kBwdWarps - 1) / kBwdWarps;
+    if (query_ctas > 0x7fffffff || key_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
+    gqa_bwd_query_kernel<Elem><<<unsigned(query_ctas), 32 * kBwdWarps, 0, stream>>>(p);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    gqa_bwd_key_kernel<Elem><<<unsigned(key_ctas), 32 * kBwdWarps, 0, stream>>>(p);
+    return cudaGetLastError();
+}
+
+// Sets *p.nonfinite when q, k, v, o or dout holds Inf or NaN (the flag starts at zero).
+template <typename Elem>
+__global__ void __launch_bounds__(256) gqa_bwd_scan_kernel(const GqaBwdParams p) {
+    const int64_t nq = int64_t(p.B) * p.T * p.Hq * p.D, nkv = int64_t(p.B) * p.T * p.Hkv * p.D;
+    const bool bf16 = p.dtype == kGqaBFloat16;
+    bool bad = false;
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < nq; i += int64_t(gridDim.x) * blockDim.x) {
+        bad |= !isfinite(to_float(static_cast<const Elem*>(p.q)[i], bf16)) ||
+               !isfinite(to_float(static_cast<const Elem*>(p.o)[i], bf16)) ||
+               !isfinite(to_float(static_cast<const Elem*>(p.dout)[i], bf16));
+        if (i < nkv)
+            bad |= !isfinite(to_float(static_cast<const Elem*>(p.k)[i], bf16)) ||
+                   !isfinite(to_float(static_cast<const Elem*>(p.v)[i], bf16));
+    }
+    if (__any_sync(0xffffffffu, bad) && threadIdx.x % 32 == 0) atomicOr(p.nonfinite, 1);
+}
+
+cudaError_t scan_nonfinite(const GqaBwdParams& p, cudaStream_t stream) {
+    cudaError_t err = cudaMemsetAsync(p.nonfinite, 0, sizeof(int), stream);
+    if (err != cudaSuccess) return err;
+    const int64_t items = int64_t(p.B) * p.T * p.Hq * p.D;
+    const int blocks = int(std::min<int64_t>((items + 255) / 256, 4096));
+    if (p.dtype == kGqaFloat32) {
+        gqa_bwd_scan_kernel<float><<<blocks, 256, 0, stream>>>(p);
+    } else {
+        gqa_bwd_scan_kernel<Half16><<<blocks, 256, 0, stream>>>(p);
+    }
+    return cudaGetLastError();
+}
+
+// The row-wise backward for any dtype and head_dim.
+cudaError_t backward_rows(const GqaBwdParams& p, cudaStream_t stream) {
+    return p.dtype == kGqaFloat32 ? launch_backward_rows<float>(p, stream) : launch_backward_rows<Half16>(p, stream);
+}
+
+}  // namespace
