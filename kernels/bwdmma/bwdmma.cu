@@ -48,24 +48,31 @@ __device__ __forceinline__ void load_tile(uint16_t* tile, const uint16_t* base, 
 __device__ __forceinline__ int frag_row(int lane, int e) { return (lane >> 2) + 8 * (e >> 1); }
 __device__ __forceinline__ int frag_col(int lane, int n, int e) { return 8 * n + 2 * (lane & 3) + (e & 1); }
 
+// A CTA's batch, head and tile index in a grid of tiles x B x `heads`, heads fastest.
+// Also the number of 64-row tiles over T, and this thread's warp and lane.
+struct BwdCta {
+    int64_t b;
+    int head, tile, tiles, warp, lane;
+};
+__device__ __forceinline__ BwdCta bwd_cta(int B, int heads, int T) {
+    const int64_t bh = blockIdx.x % (int64_t(B) * heads);
+    return {bh / heads, int(bh % heads), int(blockIdx.x / (int64_t(B) * heads)), (T + kTile - 1) / kTile,
+            int(threadIdx.x) / 32, int(threadIdx.x) % 32};
+}
+
 // Kernel 1: one CTA per (query tile, batch, head); the tiles with the most keys start first.
 template <bool kBf16, int DP>
 __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams p) {
     using Shape = BwdShape<DP>;
     extern __shared__ __align__(16) uint16_t smem[];
-    uint16_t* q_tile = smem;
-    uint16_t* do_tile = q_tile + Shape::kTileHalves;
-    uint16_t* k_tile = do_tile + Shape::kTileHalves;
-    uint16_t* v_tile = k_tile + Shape::kTileHalves;
+    constexpr int H = Shape::kTileHalves;
+    uint16_t *q_tile = smem, *do_tile = smem + H, *k_tile = smem + 2 * H, *v_tile = smem + 3 * H;
 
     if (*p.nonfinite) return;   // the row-wise kernels take this call
-    const int tiles = (p.T + kTile - 1) / kTile;
-    const int64_t bh = blockIdx.x % (int64_t(p.B) * p.Hq);
-    const int qt = tiles - 1 - int(blockIdx.x / (int64_t(p.B) * p.Hq));
-    const int64_t b = bh / p.Hq;
-    const int h = int(bh % p.Hq), kv_head = h / p.group;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int q0 = qt * kTile;
+    const BwdCta cta = bwd_cta(p.B, p.Hq, p.T);
+    const int64_t b = cta.b;
+    const int h = cta.head, kv_head = h / p.group, warp = cta.warp, lane = cta.lane;
+    const int qt = cta.tiles - 1 - cta.tile, q0 = qt * kTile;
     const bool bf16 = kBf16;
 
     load_tile<DP>(q_tile, static_cast<const uint16_t*>(p.q), b, q0, h, p.Hq, p.T);
@@ -174,23 +181,18 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
 // Kernel 2: one CTA per (key tile, batch, kv head); the tiles with the most queries start first.
 template <bool kBf16, int DP>
 __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdParams p) {
+    if (*p.nonfinite) return;   // the row-wise kernels take this call
     using Shape = BwdShape<DP>;
     extern __shared__ __align__(16) uint16_t smem[];
-    uint16_t* k_tile = smem;
-    uint16_t* v_tile = k_tile + Shape::kTileHalves;
-    uint16_t* q_tile = v_tile + Shape::kTileHalves;
-    uint16_t* do_tile = q_tile + Shape::kTileHalves;
-    float* lse2_s = reinterpret_cast<float*>(do_tile + Shape::kTileHalves);
+    constexpr int H = Shape::kTileHalves;
+    uint16_t *k_tile = smem, *v_tile = smem + H, *q_tile = smem + 2 * H, *do_tile = smem + 3 * H;
+    float* lse2_s = reinterpret_cast<float*>(smem + 4 * H);
     float* delta_s = lse2_s + kTile;
 
-    if (*p.nonfinite) return;   // the row-wise kernels take this call
-    const int tiles = (p.T + kTile - 1) / kTile;
-    const int64_t bh = blockIdx.x % (int64_t(p.B) * p.Hkv);
-    const int kt = int(blockIdx.x / (int64_t(p.B) * p.Hkv));
-    const int64_t b = bh / p.Hkv;
-    const int kv_head = int(bh % p.Hkv);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int k0 = kt * kTile;
+    const BwdCta cta = bwd_cta(p.B, p.Hkv, p.T);
+    const int64_t b = cta.b;
+    const int kv_head = cta.head, warp = cta.warp, lane = cta.lane, tiles = cta.tiles;
+    const int kt = cta.tile, k0 = kt * kTile;
     const bool bf16 = kBf16;
 
     load_tile<DP>(k_tile, static_cast<const uint16_t*>(p.k), b, k0, kv_head, p.Hkv, p.T);
