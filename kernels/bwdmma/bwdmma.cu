@@ -49,15 +49,13 @@ __device__ __forceinline__ int frag_row(int lane, int e) { return (lane >> 2) + 
 __device__ __forceinline__ int frag_col(int lane, int n, int e) { return 8 * n + 2 * (lane & 3) + (e & 1); }
 
 // A CTA's batch, head and tile index in a grid of tiles x B x `heads`, heads fastest.
-// Also the number of 64-row tiles over T, and this thread's warp and lane.
 struct BwdCta {
     int64_t b;
-    int head, tile, tiles, warp, lane;
+    int head, tile;
 };
-__device__ __forceinline__ BwdCta bwd_cta(int B, int heads, int T) {
+__device__ __forceinline__ BwdCta bwd_cta(int B, int heads) {
     const int64_t bh = blockIdx.x % (int64_t(B) * heads);
-    return {bh / heads, int(bh % heads), int(blockIdx.x / (int64_t(B) * heads)), (T + kTile - 1) / kTile,
-            int(threadIdx.x) / 32, int(threadIdx.x) % 32};
+    return {bh / heads, int(bh % heads), int(blockIdx.x / (int64_t(B) * heads))};
 }
 
 // Kernel 1: one CTA per (query tile, batch, head); the tiles with the most keys start first.
@@ -69,10 +67,10 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
     uint16_t *q_tile = smem, *do_tile = smem + H, *k_tile = smem + 2 * H, *v_tile = smem + 3 * H;
 
     if (*p.nonfinite) return;   // the row-wise kernels take this call
-    const BwdCta cta = bwd_cta(p.B, p.Hq, p.T);
+    const BwdCta cta = bwd_cta(p.B, p.Hq);
     const int64_t b = cta.b;
-    const int h = cta.head, kv_head = h / p.group, warp = cta.warp, lane = cta.lane;
-    const int qt = cta.tiles - 1 - cta.tile, q0 = qt * kTile;
+    const int h = cta.head, kv_head = h / p.group, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int qt = (p.T + kTile - 1) / kTile - 1 - cta.tile, q0 = qt * kTile;
     const bool bf16 = kBf16;
 
     load_tile<DP>(q_tile, static_cast<const uint16_t*>(p.q), b, q0, h, p.Hq, p.T);
@@ -189,9 +187,9 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdPara
     float* lse2_s = reinterpret_cast<float*>(smem + 4 * H);
     float* delta_s = lse2_s + kTile;
 
-    const BwdCta cta = bwd_cta(p.B, p.Hkv, p.T);
+    const BwdCta cta = bwd_cta(p.B, p.Hkv);
     const int64_t b = cta.b;
-    const int kv_head = cta.head, warp = cta.warp, lane = cta.lane, tiles = cta.tiles;
+    const int kv_head = cta.head, warp = threadIdx.x / 32, lane = threadIdx.x % 32, tiles = (p.T + kTile - 1) / kTile;
     const int kt = cta.tile, k0 = kt * kTile;
     const bool bf16 = kBf16;
 
