@@ -25,7 +25,9 @@ constexpr int kThreads = 32 * kWarps;
 template <int DP> struct BwdShape {
     static constexpr int LD = DP + 8;                                   // halves per shared row
     static constexpr int kTileHalves = kTile * LD;
-    static constexpr int kSmemBytes = 4 * kTileHalves * 2 + 2 * kTile * 4;   // four tiles, lse2 and delta
+    static constexpr int kDqSmemBytes = 4 * kTileHalves * 2;            // Q, dO, K, V
+    // K, V, then two stages of Q, dO, lse2 and delta
+    static constexpr int kDkdvSmemBytes = 6 * kTileHalves * 2 + 2 * 2 * kTile * 4;
 };
 
 // Rows [row0, row0 + 64) of one head of a contiguous [B, T, H, DP] tensor into a shared tile, 16
@@ -101,14 +103,18 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
         return j > t || j >= p.T;
     };
 
-    // Pass 1: the rows' maximum and sum, online over the key tiles.
+    // Pass 1: the rows' maximum and sum, online over the key tiles. K tile kt lands in k_tile
+    // (kt even) or v_tile (kt odd) while the tile before it is in use.
+    auto k_stage = [&](int kt) { return kt & 1 ? v_tile : k_tile; };
+    load_tile<DP>(k_stage(0), static_cast<const uint16_t*>(p.k), b, 0, kv_head, p.Hkv, p.T);
+    cp_async_commit();
     for (int kt = 0; kt <= qt; ++kt) {
-        load_tile<DP>(k_tile, static_cast<const uint16_t*>(p.k), b, kt * kTile, kv_head, p.Hkv, p.T);
-        cp_async_commit();
-        cp_async_wait<0>();
+        if (kt < qt) load_tile<DP>(k_stage(kt + 1), static_cast<const uint16_t*>(p.k), b, (kt + 1) * kTile, kv_head, p.Hkv, p.T);
+        cp_async_commit();    // (empty on the last tile)
+        cp_async_wait<1>();   // everything but the tile just issued has landed
         __syncthreads();
         float s[1][kTile / 8][4] = {};
-        qk_16bit<kBf16, kTile, DP, Shape::LD, 1>(s, q_rows, k_tile, DP / 16, lane);
+        qk_16bit<kBf16, kTile, DP, Shape::LD, 1>(s, q_rows, k_stage(kt), DP / 16, lane);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             float tile_max = -INFINITY;
@@ -133,7 +139,7 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
             l[half] = (m[half] == -INFINITY ? 0.f : l[half] * fast_exp2(m[half] - m_new)) + sum;
             m[half] = m_new;
         }
-        __syncthreads();   // k_tile is overwritten next
+        __syncthreads();   // this stage takes tile kt + 2, issued at the top of the next iteration
     }
 #pragma unroll
     for (int half = 0; half < 2; ++half) lse2[half] = m[half] + log2f(l[half]);
@@ -183,9 +189,11 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdPara
     using Shape = BwdShape<DP>;
     extern __shared__ __align__(16) uint16_t smem[];
     constexpr int H = Shape::kTileHalves;
-    uint16_t *k_tile = smem, *v_tile = smem + H, *q_tile = smem + 2 * H, *do_tile = smem + 3 * H;
-    float* lse2_s = reinterpret_cast<float*>(smem + 4 * H);
-    float* delta_s = lse2_s + kTile;
+    uint16_t *k_tile = smem, *v_tile = smem + H;
+    auto q_tile = [&](int st) { return smem + (2 + 2 * st) * H; };
+    auto do_tile = [&](int st) { return smem + (3 + 2 * st) * H; };
+    auto lse2_s = [&](int st) { return reinterpret_cast<float*>(smem + 6 * H) + st * 2 * kTile; };
+    auto delta_s = [&](int st) { return lse2_s(st) + kTile; };
 
     const BwdCta cta = bwd_cta(p.B, p.Hkv);
     const int64_t b = cta.b;
@@ -199,39 +207,48 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdPara
     const uint16_t* k_rows = k_tile + 16 * warp * Shape::LD;
     const uint16_t* v_rows = v_tile + 16 * warp * Shape::LD;
 
-    float dk[1][DP / 8][4] = {}, dv[1][DP / 8][4] = {};
-    for (int qt = kt; qt < tiles; ++qt) {
-        const int q0 = qt * kTile;
-        for (int g = 0; g < p.group; ++g) {
-            const int h = kv_head * p.group + g;
-            load_tile<DP>(q_tile, static_cast<const uint16_t*>(p.q), b, q0, h, p.Hq, p.T);
-            load_tile<DP>(do_tile, static_cast<const uint16_t*>(p.dout), b, q0, h, p.Hq, p.T);
-            cp_async_commit();
-            for (int r = threadIdx.x; r < kTile; r += kThreads) {
-                const int t = q0 + r;
-                const int64_t row = (b * p.T + t) * p.Hq + h;
-                lse2_s[r] = t < p.T ? p.lse2[row] : 0.f;
-                delta_s[r] = t < p.T ? p.delta[row] : 0.f;
-            }
-            cp_async_wait<0>();
-            __syncthreads();
-            float s[1][kTile / 8][4] = {}, dp[1][kTile / 8][4] = {};
-            qk_16bit<kBf16, kTile, DP, Shape::LD, 1>(s, k_rows, q_tile, DP / 16, lane);    // S^T
-            qk_16bit<kBf16, kTile, DP, Shape::LD, 1>(dp, v_rows, do_tile, DP / 16, lane);  // dP^T
-#pragma unroll
-            for (int n = 0; n < kTile / 8; ++n)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int j = k0 + 16 * warp + frag_row(lane, e), c = frag_col(lane, n, e), t = q0 + c;
-                    const bool masked = t < j || t >= p.T || j >= p.T;
-                    const float prob = masked ? 0.f : fast_exp2(s[0][n][e] * p.scale_log2 - lse2_s[c]);
-                    s[0][n][e] = prob;                                  // P^T
-                    dp[0][n][e] = prob * (dp[0][n][e] - delta_s[c]);    // dS^T
-                }
-            pv_16bit<kBf16, kTile, DP, Shape::LD, 1>(dv, s, do_tile, DP / 8, lane);
-            pv_16bit<kBf16, kTile, DP, Shape::LD, 1>(dk, dp, q_tile, DP / 8, lane);
-            __syncthreads();   // q_tile, do_tile, lse2_s and delta_s are overwritten next
+    // Step i is query tile kt + i / G of head kv_head * G + i % G: its Q, dO, lse2 and delta go to
+    // stage i % 2 while step i - 1 computes from the other stage.
+    const int steps = (tiles - kt) * p.group;
+    auto load_step = [&](int i, int st) {
+        const int q0 = (kt + i / p.group) * kTile, h = kv_head * p.group + i % p.group;
+        load_tile<DP>(q_tile(st), static_cast<const uint16_t*>(p.q), b, q0, h, p.Hq, p.T);
+        load_tile<DP>(do_tile(st), static_cast<const uint16_t*>(p.dout), b, q0, h, p.Hq, p.T);
+        for (int r = threadIdx.x; r < kTile; r += kThreads) {
+            const int t = q0 + r;
+            const int64_t row = (b * p.T + (t < p.T ? t : 0)) * p.Hq + h;
+            cp_async4(lse2_s(st) + r, p.lse2 + row, t < p.T ? 4 : 0);
+            cp_async4(delta_s(st) + r, p.delta + row, t < p.T ? 4 : 0);
         }
+    };
+    load_step(0, 0);
+    cp_async_commit();
+
+    float dk[1][DP / 8][4] = {}, dv[1][DP / 8][4] = {};
+    for (int i = 0; i < steps; ++i) {
+        const int st = i & 1, q0 = (kt + i / p.group) * kTile;
+        if (i + 1 < steps) load_step(i + 1, st ^ 1);
+        cp_async_commit();    // (empty on the last step)
+        cp_async_wait<1>();   // everything but the step just issued has landed
+        __syncthreads();
+        const float* lse2_t = lse2_s(st);
+        const float* delta_t = delta_s(st);
+        float s[1][kTile / 8][4] = {}, dp[1][kTile / 8][4] = {};
+        qk_16bit<kBf16, kTile, DP, Shape::LD, 1>(s, k_rows, q_tile(st), DP / 16, lane);    // S^T
+        qk_16bit<kBf16, kTile, DP, Shape::LD, 1>(dp, v_rows, do_tile(st), DP / 16, lane);  // dP^T
+#pragma unroll
+        for (int n = 0; n < kTile / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int j = k0 + 16 * warp + frag_row(lane, e), c = frag_col(lane, n, e), t = q0 + c;
+                const bool masked = t < j || t >= p.T || j >= p.T;
+                const float prob = masked ? 0.f : fast_exp2(s[0][n][e] * p.scale_log2 - lse2_t[c]);
+                s[0][n][e] = prob;                                  // P^T
+                dp[0][n][e] = prob * (dp[0][n][e] - delta_t[c]);    // dS^T
+            }
+        pv_16bit<kBf16, kTile, DP, Shape::LD, 1>(dv, s, do_tile(st), DP / 8, lane);
+        pv_16bit<kBf16, kTile, DP, Shape::LD, 1>(dk, dp, q_tile(st), DP / 8, lane);
+        __syncthreads();   // stage st takes step i + 2, issued at the top of the next iteration
     }
 
 #pragma unroll
@@ -256,18 +273,18 @@ cudaError_t bwdmma_launch(const GqaBwdParams& p, cudaStream_t stream, int dev) {
     static_assert(GQA_DTYPE != kGqaFloat32 && (DP == 64 || DP == 128), "a unit for fp16 or bf16 at width 64 or 128");
     if (p.dtype != GQA_DTYPE || p.D != DP) return cudaErrorInvalidValue;
     static bool raised_dq[kMaxDevices] = {}, raised_dkdv[kMaxDevices] = {};
-    constexpr size_t smem = BwdShape<DP>::kSmemBytes;
+    constexpr size_t dq_smem = BwdShape<DP>::kDqSmemBytes, dkdv_smem = BwdShape<DP>::kDkdvSmemBytes;
     const int64_t tiles = (p.T + kTile - 1) / kTile;
     const int64_t dq_ctas = tiles * p.B * p.Hq, dkdv_ctas = tiles * p.B * p.Hkv;
     if (dq_ctas > 0x7fffffff || dkdv_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
-    cudaError_t err = raise_smem_limit(gqa_bwd_dq_kernel<kBf16, DP>, smem, dev, raised_dq);
+    cudaError_t err = raise_smem_limit(gqa_bwd_dq_kernel<kBf16, DP>, dq_smem, dev, raised_dq);
     if (err != cudaSuccess) return err;
-    err = raise_smem_limit(gqa_bwd_dkdv_kernel<kBf16, DP>, smem, dev, raised_dkdv);
+    err = raise_smem_limit(gqa_bwd_dkdv_kernel<kBf16, DP>, dkdv_smem, dev, raised_dkdv);
     if (err != cudaSuccess) return err;
-    gqa_bwd_dq_kernel<kBf16, DP><<<unsigned(dq_ctas), kThreads, smem, stream>>>(p);
+    gqa_bwd_dq_kernel<kBf16, DP><<<unsigned(dq_ctas), kThreads, dq_smem, stream>>>(p);
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
-    gqa_bwd_dkdv_kernel<kBf16, DP><<<unsigned(dkdv_ctas), kThreads, smem, stream>>>(p);
+    gqa_bwd_dkdv_kernel<kBf16, DP><<<unsigned(dkdv_ctas), kThreads, dkdv_smem, stream>>>(p);
     return cudaGetLastError();
 }
 
