@@ -920,6 +920,21 @@ def test_gpu_wgmma_ring_of_stages_strided_kv_and_nonfinite(dtype, D):
     assert_like_reference(out, q, k, v, "wgmma ring, strided kv, non-finite", bound)
 
 
+@needs_gpu
+@pytest.mark.parametrize("dtype, D", [(torch.bfloat16, 128), (torch.float16, 256)])
+def test_gpu_wgmma_kv_heads_broadcast_by_expand(dtype, D):
+    """k and v whose kv heads are one head broadcast by expand (head stride 0, which no TMA tensor
+    map takes): the wgmma plan still, run by the kernel that reads any strides, within check_half's
+    bound of the float64 reference."""
+    B, T, Hq, Hkv = 2, 300, 8, 4
+    q, k1, v1 = make_qkv(B, T, Hq, 1, D, device="cuda", dtype=dtype)
+    k, v = k1.expand(B, T, Hkv, D), v1.expand(B, T, Hkv, D)
+    assert k.stride(2) == 0
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    assert gqa_module.plan(q, k, v) == "wgmma/%s/d%d" % (name, D)
+    check_half(call_poisoned(q, k, v), q, k, v, "kv heads broadcast")
+
+
 ACCURACY_SHAPES = [(2, 1024, 32, 8, 128), (1, 2048, 16, 4, 64), (2, 1536, 12, 4, 96)]
 
 

@@ -1,14 +1,19 @@
-// The wgmma family (sm_90a): fp16 and bf16 inputs at head_dim widths 64 and 128 on the
+// The wgmma family (sm_90a): fp16 and bf16 inputs at head_dim widths 64, 128 and 256 on the
 // warp-specialised kernel (ws/kernel.cuh: TMA loads by a producer warp, two consumer
 // warpgroups). A unit per input dtype and width (GQA_DTYPE, GQA_WIDTH).
 
+#include "tiled/kernel.cuh"
 #include "ws/kernel.cuh"
 
 namespace {
 
-// The unit's launch, behind its entry point (GQA_FAMILY_ENTRY): one dtype and width.
+// The unit's launch, behind its entry point (GQA_FAMILY_ENTRY): one dtype and width. K and V
+// whose strides no tensor map takes (a zero stride: heads broadcast by expand) run the tiled
+// kernel's software pipeline instead (mma.sync at width 256), which reads any strides.
 cudaError_t wgmma_launch(const GqaParams& p, const GqaPlan&, cudaStream_t s, int dev) {
-    return launch_ws<GQA_DTYPE, GQA_WIDTH>(p, s, dev);
+    const cudaError_t err = launch_ws<GQA_DTYPE, GQA_WIDTH>(p, s, dev);
+    if (err != cudaErrorNotSupported) return err;
+    return launch_tiles<GQA_DTYPE, GQA_WIDTH, 1, GQA_WIDTH <= 128>(p, s, dev);
 }
 
 }  // namespace

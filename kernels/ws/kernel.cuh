@@ -344,10 +344,11 @@ inline cudaError_t ws_tensor_map(CUtensorMap* map, const void* data, const GqaPa
     const CUresult res = encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
                                 const_cast<void*>(data), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
                                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+    return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorNotSupported;
 }
 
 // Launches the warp-specialised kernel over every 128-row tile (16-byte-aligned rows only).
+// Returns cudaErrorNotSupported, launching nothing, for K and V layouts no tensor map describes.
 template <int kDtype, int DP>
 cudaError_t launch_ws(const GqaParams& p, cudaStream_t stream, int dev) {
     using Tr = WsTraits<DP>;
