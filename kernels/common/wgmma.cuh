@@ -51,6 +51,14 @@ template <int N> __device__ __forceinline__ void fence_regs(float (&r)[N]) {
 template <bool kBf16>
 __device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], uint64_t da, uint64_t db, int accumulate) { GQA_WGMMA_BODY(GQA_ASM_WGMMA_SS_N64); }
 #undef GQA_ASM_WGMMA_SS_N64
+#define GQA_ASM_WGMMA_SS_N128(TY) \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
+                     "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n" \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
+                     : "l"(da), "l"(db), "r"(accumulate))
+template <bool kBf16>
+__device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], uint64_t da, uint64_t db, int accumulate) { GQA_WGMMA_BODY(GQA_ASM_WGMMA_SS_N128); }
+#undef GQA_ASM_WGMMA_SS_N128
 #define GQA_ASM_WGMMA_RS_TB_N64(TY) \
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n" \
                      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n" \
@@ -68,28 +76,31 @@ template <bool kBf16>
 __device__ __forceinline__ void wgmma_rs_tb_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t db, int accumulate) { GQA_WGMMA_BODY(GQA_ASM_WGMMA_RS_TB_N128); }
 #undef GQA_ASM_WGMMA_RS_TB_N128
 
-// S (the warpgroup's 64 rows x 64 keys; each warp holds its 16 rows as s[8][4]) = Q K^T. Q is a
-// swizzled tile of QR rows whose warpgroup rows start at `q_row0`, K a swizzled tile of KR rows.
-// Issued without a commit: the caller commits, and s is not valid before the matching wg_wait.
-// `accumulate`: add to s instead of starting from zero.
-template <bool kBf16, int DP, int QR, int KR>
-__device__ __forceinline__ void qk_wgmma(float (&s)[8][4], const uint16_t* q_tile, int q_row0, const uint16_t* k_tile,
+// S (the warpgroup's 64 rows x 8 NT keys, NT 8 or 16; each warp holds its 16 rows as s[NT][4]) =
+// Q K^T. Q is a swizzled tile of QR rows whose warpgroup rows start at `q_row0`, K a swizzled tile
+// of KR rows. Issued without a commit: the caller commits, and s is not valid before the matching
+// wg_wait. `accumulate`: add to s instead of starting from zero.
+template <bool kBf16, int DP, int QR, int KR, int NT>
+__device__ __forceinline__ void qk_wgmma(float (&s)[NT][4], const uint16_t* q_tile, int q_row0, const uint16_t* k_tile,
                                          bool accumulate = false) {
+    static_assert(NT == 8 || NT == 16, "64 or 128 keys");
     const unsigned char* qb = reinterpret_cast<const unsigned char*>(q_tile) + q_row0 * 128;
     const unsigned char* kb = reinterpret_cast<const unsigned char*>(k_tile);
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < DP / 16; ++kk) {
         const int blk = kk / 4, col = (kk % 4) * 32;   // 64-column block, byte offset of the k-step
-        wgmma_ss_n64<kBf16>(reinterpret_cast<float(&)[32]>(s), wg_desc(qb + blk * QR * 128 + col, 16, 1024),
-                            wg_desc(kb + blk * KR * 128 + col, 16, 1024), kk > 0 || accumulate);
+        const uint64_t da = wg_desc(qb + blk * QR * 128 + col, 16, 1024), db = wg_desc(kb + blk * KR * 128 + col, 16, 1024);
+        if constexpr (NT == 8) wgmma_ss_n64<kBf16>(reinterpret_cast<float(&)[32]>(s), da, db, kk > 0 || accumulate);
+        else wgmma_ss_n128<kBf16>(reinterpret_cast<float(&)[64]>(s), da, db, kk > 0 || accumulate);
     }
 }
 
-// P, the probabilities of a 64-key S tile, as the four k16 A fragments of P V (16-bit).
-template <bool kBf16> __device__ __forceinline__ void pack_p(uint32_t (&a)[4][4], const float (&s)[8][4]) {
+// P, the probabilities of an S tile of 8 NT keys, as the NT / 2 k16 A fragments of P V (16-bit).
+template <bool kBf16, int NT>
+__device__ __forceinline__ void pack_p(uint32_t (&a)[NT / 2][4], const float (&s)[NT][4]) {
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
+    for (int ks = 0; ks < NT / 2; ++ks) {
         a[ks][0] = pack_16bit<kBf16>(s[2 * ks][0], s[2 * ks][1]);
         a[ks][1] = pack_16bit<kBf16>(s[2 * ks][2], s[2 * ks][3]);
         a[ks][2] = pack_16bit<kBf16>(s[2 * ks + 1][0], s[2 * ks + 1][1]);
@@ -103,13 +114,13 @@ template <bool kBf16> __device__ __forceinline__ void pack_p(uint32_t (&a)[4][4]
 // groups 1024 bytes apart (the stride byte offset), 64-column blocks KR * 128 bytes apart (the
 // leading byte offset).
 // `accumulate` false: o starts from zero.
-template <bool kBf16, int DP, int KR>
-__device__ __forceinline__ void pv_wgmma(float (&o)[DP / 8][4], const uint32_t (&a)[4][4], const uint16_t* v_tile,
+template <bool kBf16, int DP, int KR, int KS>
+__device__ __forceinline__ void pv_wgmma(float (&o)[DP / 8][4], const uint32_t (&a)[KS][4], const uint16_t* v_tile,
                                          bool accumulate = true) {
     const unsigned char* vb = reinterpret_cast<const unsigned char*>(v_tile);
     wg_fence();
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
+    for (int ks = 0; ks < KS; ++ks) {   // 16 keys a step
         const uint64_t db = wg_desc(vb + ks * 16 * 128, KR * 128, 1024);
         if constexpr (DP == 64) {
             wgmma_rs_tb_n64<kBf16>(reinterpret_cast<float(&)[32]>(o), a[ks], db, ks > 0 || accumulate);

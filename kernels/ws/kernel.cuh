@@ -53,14 +53,15 @@ __device__ __forceinline__ void turn_wait(int wg) { asm volatile("bar.sync %0, 2
 __device__ __forceinline__ void turn_pass(int wg) { asm volatile("bar.arrive %0, 256;\n" ::"r"(3 - wg) : "memory"); }
 
 // ---------------------------------------------------------------------------------------------
-// Configuration. 64-key tiles (one wgmma n64 for S); a stage holds a K and a V tile in 64-column
-// blocks of [64 keys][128 bytes], the layout TMA's 128-byte swizzle writes and the wgmma
-// descriptors read (sw128_offset).
+// Configuration. A stage holds a K and a V tile in 64-column blocks of [keys][128 bytes], the
+// layout TMA's 128-byte swizzle writes and the wgmma descriptors read (sw128_offset).
 template <int DP> struct WsTraits {
     static constexpr int kBlockM = 128;                 // packed rows per CTA: 64 per consumer warpgroup
-    static constexpr int kKeys = 64;                    // keys per tile
+    // Keys per tile: 128 (S as one m64n128 product per k-step, so K is read from shared memory
+    // half as often per score) where registers allow; at width 256, O's 128 take that room.
+    static constexpr int kKeys = DP == 256 ? 64 : 128;
     static constexpr int kThreads = 384;                // producer warpgroup, then two consumers
-    static constexpr int kStages = DP == 64 ? 6 : DP == 128 ? 4 : 2;
+    static constexpr int kStages = DP == 64 ? 4 : 2;   // 64 KB of K/V a stage at width 128
     static constexpr bool kPingPong = true;             // the consumers take turns issuing products
     static constexpr bool kOverlap = DP <= 128;         // S of tile n + 1 beside P V of tile n
     static constexpr int kTileBytes = kKeys * DP * 2;   // one K or V tile
@@ -69,8 +70,8 @@ template <int DP> struct WsTraits {
     static_assert(DP == 64 || DP == 128 || DP == 256, "head_dim widths 64, 128 and 256");
 };
 
-// The K and V tensor maps: dims (D, Hkv, T, B), boxes of 64 columns x 1 head x 64 keys x 1 batch;
-// keys past T and columns past D read as zeros.
+// The K and V tensor maps: dims (D, Hkv, T, B), boxes of 64 columns x 1 head x a tile's keys x 1
+// batch; keys past T and columns past D read as zeros.
 struct WsMaps {
     CUtensorMap k, v;
 };
@@ -245,7 +246,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
             mbar_wait(&ready[next], uint32_t(((n + 1) / S) & 1));
             const bool next_nonfinite = bad_tile[next] == n + 2;
             if (nonfinite) scalar_pv_nonfinite(n * TK);
-            uint32_t pa[4][4];   // P of tile n; read by the wgmma until it completes
+            uint32_t pa[kNTiles / 2][4];   // P of tile n; read by the wgmma until it completes
             pack_p<bf16>(pa, s);
             if (kPP) turn_wait(wg);
             issue_qk(n + 1);
@@ -264,7 +265,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
         }
         if (nonfinite) scalar_pv_nonfinite((n_kv - 1) * TK);
         {
-            uint32_t pa[4][4];
+            uint32_t pa[kNTiles / 2][4];
             pack_p<bf16>(pa, s);
             if (kPP) turn_wait(wg);
             pv_wgmma<bf16, DP, TK>(o, pa, sV((n_kv - 1) % S));
@@ -290,7 +291,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
             mask_softmax(n * TK);
             rescale_o();
             if (nonfinite) scalar_pv_nonfinite(n * TK);
-            uint32_t pa[4][4];
+            uint32_t pa[kNTiles / 2][4];
             pack_p<bf16>(pa, s);
             if (kPP) turn_wait(wg);
             pv_wgmma<bf16, DP, TK>(o, pa, sV(st));
@@ -324,10 +325,10 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
 }
 
 // A 4-D tensor map over K or V (dims D, Hkv, T, B; element strides of the last three), boxes of
-// 64 x 1 x 64 x 1 in the 128-byte swizzle. cuTensorMapEncodeTiled comes through the runtime's
+// 64 x 1 x `keys` x 1 in the 128-byte swizzle. cuTensorMapEncodeTiled comes through the runtime's
 // driver entry point, so the library links no libcuda.
 inline cudaError_t ws_tensor_map(CUtensorMap* map, const void* data, const GqaParams& p, int64_t stride_h,
-                                 int64_t stride_t, int64_t stride_b, bool bf16) {
+                                 int64_t stride_t, int64_t stride_b, int keys, bool bf16) {
     static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
     if (encode == nullptr) {
         cudaDriverEntryPointQueryResult found{};
@@ -339,7 +340,7 @@ inline cudaError_t ws_tensor_map(CUtensorMap* map, const void* data, const GqaPa
     }
     const cuuint64_t dims[4] = {cuuint64_t(p.D), cuuint64_t(p.Hkv), cuuint64_t(p.T), cuuint64_t(p.B)};
     const cuuint64_t strides[3] = {cuuint64_t(stride_h) * 2, cuuint64_t(stride_t) * 2, cuuint64_t(stride_b) * 2};
-    const cuuint32_t box[4] = {64, 1, 64, 1};
+    const cuuint32_t box[4] = {64, 1, cuuint32_t(keys), 1};
     const cuuint32_t steps[4] = {1, 1, 1, 1};
     const CUresult res = encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
                                 const_cast<void*>(data), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
@@ -358,8 +359,8 @@ cudaError_t launch_ws(const GqaParams& p, cudaStream_t stream, int dev) {
     if (err != cudaSuccess) return err;
     const bool bf16 = kDtype == kGqaBFloat16;
     WsMaps maps;
-    err = ws_tensor_map(&maps.k, p.k, p, p.k_stride_h, p.k_stride_t, p.k_stride_b, bf16);
-    if (err == cudaSuccess) err = ws_tensor_map(&maps.v, p.v, p, p.v_stride_h, p.v_stride_t, p.v_stride_b, bf16);
+    err = ws_tensor_map(&maps.k, p.k, p, p.k_stride_h, p.k_stride_t, p.k_stride_b, Tr::kKeys, bf16);
+    if (err == cudaSuccess) err = ws_tensor_map(&maps.v, p.v, p, p.v_stride_h, p.v_stride_t, p.v_stride_b, Tr::kKeys, bf16);
     if (err != cudaSuccess) return err;
     TileDivs dv;
     const int64_t blocks = packed_tile_grid(p, Tr::kBlockM, dv);
