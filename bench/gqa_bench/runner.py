@@ -151,11 +151,14 @@ class Bench:
         return f"skipped: needs ~{_gib(need):.1f} GiB > 60% of free memory ({budget:.0f} GiB)"
 
     # -- rows ------------------------------------------------------------------
-    def plan_of(self, impl):
-        """The project's kernel plan for the inputs in hand ("x3/fp32/d128"), else None."""
+    def plan_of(self, impl, mode=None):
+        """The project's kernel plan for the inputs in hand ("x3/fp32/d128"; for a backward row the
+        backward's, "bwdmma/bf16/d128"), else None."""
         if impl != "project" or self.gqa_module is None or self.current_inputs is None:
             return None
         try:
+            if mode == BACKWARD_MODE:
+                return self.gqa_module.backward_plan(*self.current_inputs)
             return self.gqa_module.plan(*self.current_inputs)
         except Exception as e:
             return f"unknown ({format_error(e)[:80]})"
@@ -175,7 +178,7 @@ class Bench:
             "tflops": tflops,
             "rel_err": float(rel_err) if rel_err is not None and math.isfinite(rel_err) else None,
             "error": error,
-            "plan": self.plan_of(impl),
+            "plan": self.plan_of(impl, mode),
         }
         key = (tuple(shape), dtype_name, impl, mode)
         if key in self.row_index:
