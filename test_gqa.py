@@ -1528,6 +1528,13 @@ def reference_grads(q, k, v, grad_out):
     return q64.grad, k64.grad, v64.grad
 
 
+def tensor_core_backward(T):
+    """The family of the 16-bit tensor-core backward at head_dim 64 and 128 for T steps: wgmma on an
+    sm_90 GPU with an sm_90a build past 128 steps, mma.sync otherwise (kernels/attention.cu)."""
+    sm90a = any(plan.startswith("wgmma/") for plan in gqa_module.all_plans())
+    return "bwdwg" if T > 128 and sm90a and torch.cuda.get_device_capability() == (9, 0) else "bwdmma"
+
+
 def project_grads(q, k, v, grad_out):
     q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     gqa_module.causal_gqa_attention(q, k, v).backward(grad_out)
@@ -1582,7 +1589,7 @@ def test_gpu_backward_16bit_within_twice_sdpa(B, T, Hq, Hkv, D, dtype):
     gradients on the same inputs, plus 1e-3."""
     q, k, v = make_qkv(B, T, Hq, Hkv, D, device="cuda", dtype=dtype)
     name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-    expected = "bwdmma/%s/d%d" % (name, D) if D in (64, 128) else "backward/" + name
+    expected = "%s/%s/d%d" % (tensor_core_backward(T), name, D) if D in (64, 128) else "backward/" + name
     assert gqa_module.backward_plan(q, k, v) == expected
     grad_out = torch.randn_like(q)
     exact = reference_grads(q, k, v, grad_out)
@@ -1598,22 +1605,23 @@ def test_gpu_backward_16bit_within_twice_sdpa(B, T, Hq, Hkv, D, dtype):
 
 
 @needs_gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_backward_is_deterministic(dtype):
-    q, k, v = make_qkv(2, 300, 8, 2, 64, device="cuda", dtype=dtype)
+@pytest.mark.parametrize("dtype, T", [(torch.float32, 300), (torch.bfloat16, 300), (torch.float16, 100)])
+def test_gpu_backward_is_deterministic(dtype, T):
+    q, k, v = make_qkv(2, T, 8, 2, 64, device="cuda", dtype=dtype)
     grad_out = torch.randn_like(q)
     first, second = project_grads(q, k, v, grad_out), project_grads(q, k, v, grad_out)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
 @needs_gpu
-@pytest.mark.parametrize("dtype, D, plan", [(torch.float32, 16, "backward/fp32"),
-                                            (torch.bfloat16, 64, "bwdmma/bf16/d64"),
-                                            (torch.float16, 128, "bwdmma/fp16/d128")])
-def test_gpu_backward_nonfinite_like_reference(dtype, D, plan):
+@pytest.mark.parametrize("dtype, D, T", [(torch.float32, 16, 140), (torch.bfloat16, 64, 120), (torch.bfloat16, 64, 140),
+                                         (torch.float16, 128, 120), (torch.float16, 128, 140)])
+def test_gpu_backward_nonfinite_like_reference(dtype, D, T):
     """Inf and NaN in q, k and v: the gradients are NaN exactly where float64 autograd's are, and
     close to them elsewhere (fp32: allclose 1e-4; 16-bit: norm-relative 2e-2)."""
-    q, k, v = make_qkv(1, 140, 4, 2, D, device="cuda", dtype=dtype)
+    q, k, v = make_qkv(1, T, 4, 2, D, device="cuda", dtype=dtype)
+    name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    plan = "backward/fp32" if dtype == torch.float32 else "%s/%s/d%d" % (tensor_core_backward(T), name, D)
     assert gqa_module.backward_plan(q, k, v) == plan
     q[0, 5, 1, 3] = float("inf")
     k[0, 9, 0, 2] = float("-inf")
@@ -1717,7 +1725,8 @@ def test_sanitizer_cases_take_their_plans_and_cover_every_plan():
     assert declared == plans, "plans without a case: %s; declared plans no build has: %s" % (
         sorted(plans - declared), sorted(declared - plans))
     plans |= {"backward/fp32", "backward/fp16", "backward/bf16"} | {
-        "bwdmma/%s/d%d" % (dtype, width) for dtype in ("fp16", "bf16") for width in (64, 128)}
+        "%s/%s/d%d" % (family, dtype, width) for family in ("bwdmma", "bwdwg") for dtype in ("fp16", "bf16")
+        for width in (64, 128)}
     assert set(sanitize.BACKWARD_PLANS) == plans - declared
     finite = {case[0] for case, nonfinite in sanitize.runs() if not nonfinite}
     nonfinite = {case[0] for case, nonfinite in sanitize.runs() if nonfinite}

@@ -124,31 +124,44 @@ void gqa_set_module_loader(GqaModuleLoader loader) { g_loader.store(loader); }
 const char* gqa_family_name(int family) { return family >= 0 && family < kGqaFamilies ? kFamilyNames[family] : "?"; }
 const char* gqa_dtype_name(int dtype) { return dtype >= 0 && dtype < 3 ? kDtypeNames[dtype] : "?"; }
 
-// The backward: fp16 and bf16 at head_dim 64 and 128 on the tensor-core unit (bwdmma/, built on
-// first use like the forward units), everything else on the row-wise kernels compiled in here.
+// The backward: fp16 and bf16 at head_dim 64 and 128 on a tensor-core unit, built on first use like
+// the forward units: the wgmma one (bwdwg/, sm_90a) on an sm_90 GPU of an sm_90a build for more
+// than kRowwiseMaxT steps, the mma.sync one (bwdmma/) otherwise (so the tests reach both on one
+// GPU); everything else on the row-wise kernels compiled in here.
 namespace {
-bool backward_on_tensor_cores(const GqaBwdParams& p) { return p.dtype != kGqaFloat32 && (p.D == 64 || p.D == 128); }
-std::atomic<GqaBwdLauncher> g_bwd_launchers[3][2];
+enum BwdKind { kBwdRows = 0, kBwdMma = 1, kBwdWg = 2 };
+BwdKind backward_kind(const GqaBwdParams& p) {
+    if (p.dtype == kGqaFloat32 || (p.D != 64 && p.D != 128)) return kBwdRows;
+    int dev = 0;
+    return kHaveWgmma && p.T > kRowwiseMaxT && cudaGetDevice(&dev) == cudaSuccess && cc_major(dev) == 9 ? kBwdWg : kBwdMma;
+}
+const char* backward_unit_name(BwdKind kind, int dtype, int width) {
+    static const char* const kNames[2][2][2] = {
+        {{"bwdmma/fp16/d64", "bwdmma/fp16/d128"}, {"bwdmma/bf16/d64", "bwdmma/bf16/d128"}},
+        {{"bwdwg/fp16/d64", "bwdwg/fp16/d128"}, {"bwdwg/bf16/d64", "bwdwg/bf16/d128"}}};
+    return kNames[kind - 1][dtype - 1][width == 64 ? 0 : 1];
+}
+std::atomic<GqaBwdLauncher> g_bwd_launchers[2][3][2];
 
-// The tensor-core unit of a backward call, asked once from the loader and kept (null: unavailable).
-GqaBwdLauncher backward_launcher(const GqaBwdParams& p) {
-    std::atomic<GqaBwdLauncher>& slot = g_bwd_launchers[p.dtype][p.D == 64 ? 0 : 1];
+// A tensor-core unit of the backward (kind, 16-bit dtype, width 64 or 128), asked once from the
+// loader and kept (null: unavailable).
+GqaBwdLauncher backward_launcher(BwdKind kind, int dtype, int width) {
+    std::atomic<GqaBwdLauncher>& slot = g_bwd_launchers[kind - 1][dtype][width == 64 ? 0 : 1];
     GqaBwdLauncher launch = slot.load(std::memory_order_acquire);
     if (launch != nullptr) return launch;
     const GqaModuleLoader loader = g_loader.load();
     if (loader == nullptr) return nullptr;
-    launch = reinterpret_cast<GqaBwdLauncher>(loader(gqa_backward_plan(p), p.dtype, p.D, 0));
+    launch = reinterpret_cast<GqaBwdLauncher>(loader(backward_unit_name(kind, dtype, width), dtype, width, kind == kBwdWg));
     if (launch != nullptr) slot.store(launch, std::memory_order_release);
     return launch;
 }
 }  // namespace
 
 const char* gqa_backward_plan(const GqaBwdParams& p) {
-    static const char* const kNames[3][3] = {{"backward/fp32", "", ""},
-                                             {"backward/fp16", "bwdmma/fp16/d64", "bwdmma/fp16/d128"},
-                                             {"backward/bf16", "bwdmma/bf16/d64", "bwdmma/bf16/d128"}};
+    static const char* const kRows[3] = {"backward/fp32", "backward/fp16", "backward/bf16"};
     if (p.dtype < 0 || p.dtype > 2) return "?";
-    return kNames[p.dtype][backward_on_tensor_cores(p) ? (p.D == 64 ? 1 : 2) : 0];
+    const BwdKind kind = backward_kind(p);
+    return kind == kBwdRows ? kRows[p.dtype] : backward_unit_name(kind, p.dtype, p.D);
 }
 
 int gqa_backward(const GqaBwdParams& params, void* stream) {
@@ -156,8 +169,9 @@ int gqa_backward(const GqaBwdParams& params, void* stream) {
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
     GqaBwdParams p = params;
     p.rows_if_nonfinite = false;
-    if (!backward_on_tensor_cores(p)) return int(backward_rows(p, s));
-    const GqaBwdLauncher launch = backward_launcher(p);
+    const BwdKind kind = backward_kind(p);
+    if (kind == kBwdRows) return int(backward_rows(p, s));
+    const GqaBwdLauncher launch = backward_launcher(kind, p.dtype, p.D);
     if (launch == nullptr) return kGqaModuleUnavailable;
     // The scan, the tensor-core kernels (which do nothing on non-finite inputs), then the row-wise
     // ones (which do nothing on finite inputs): no host round trip.
@@ -173,12 +187,10 @@ int gqa_backward(const GqaBwdParams& params, void* stream) {
 int gqa_load_every_plan() {
     int missing = 0;
     for (const GqaPlan& plan : every_plan()) missing += launcher_for(plan) == nullptr;
-    for (int dtype : {kGqaFloat16, kGqaBFloat16}) {
-        for (int width : {64, 128}) {
-            GqaBwdParams p{};
-            p.dtype = dtype, p.D = width;
-            missing += backward_launcher(p) == nullptr;
-        }
+    for (BwdKind kind : {kBwdMma, kBwdWg}) {
+        if (kind == kBwdWg && !kHaveWgmma) continue;
+        for (int dtype : {kGqaFloat16, kGqaBFloat16})
+            for (int width : {64, 128}) missing += backward_launcher(kind, dtype, width) == nullptr;
     }
     return missing;
 }

@@ -1,0 +1,285 @@
+// The backward's tensor-core kernels for fp16 and bf16 at head_dim 64 and 128, over a products
+// policy: mma.sync m16n8k16 (bwdmma/bwdmma.cu) or the sm_90a warpgroup wgmma (bwdwg/bwdwg.cu), both
+// with fp32 accumulators in the same per-warp layout. Other shapes and fp32 take the row-wise
+// backward (backward/backward.cu), which is also these units' reference in the tests. Tiles of 64 rows, 16 per warp; every sum runs in a fixed order (no atomics).
+//  1. Query tiles (64 time steps of one query head). delta = rowsum(dO o). Pass 1 over the key
+//     tiles the tile attends: S = Q K^T and the rows' log-sum-exp (lse2, base 2). Pass 2: S again,
+//     P = 2^(S log2(e) / sqrt(D) - lse2), dP = dO V^T, dS = P (dP - delta), dQ += dS K. Writes dQ,
+//     and lse2 and delta for kernel 2.
+//  2. Key tiles (64 keys of one kv head). For every query tile at or after them and every head of
+//     the group: S^T = K Q^T, P^T from lse2, dP^T = V dO^T, dS^T = P^T (dP^T - delta),
+//     dV += P^T dO, dK += dS^T Q.
+// P and dS are rounded to the input dtype before their products, as in FlashAttention. A masked
+// (future or padding) entry is a hard zero, but a tile product still multiplies it by the values
+// of keys and queries the row does not attend, and 0 * Inf is NaN: so a call whose inputs hold Inf
+// or NaN (a scan sets p.nonfinite first) leaves these kernels at once and takes the row-wise ones.
+
+#ifndef GQA_BWDMMA_KERNELS_CUH
+#define GQA_BWDMMA_KERNELS_CUH
+
+#include "common/wgmma.cuh"
+
+namespace {
+
+constexpr int kTile = 64;                  // rows of a tile, and columns of a step
+constexpr int kWarps = kTile / 16;         // one 16-row m-tile per warp
+constexpr int kThreads = 32 * kWarps;
+
+// Shared memory of the two kernels, from the products' tile size (Pol::kTileHalves 16-bit values;
+// Pol::kAlign: the tiles' alignment, whose slack is added).
+template <class Pol> struct BwdSmem {
+    static constexpr int kSlack = Pol::kAlign > 16 ? Pol::kAlign : 0;
+    static constexpr int kDq = 4 * Pol::kTileHalves * 2 + kSlack;                           // Q, dO, K, V
+    static constexpr int kDkdv = 6 * Pol::kTileHalves * 2 + 2 * 2 * kTile * 4 + kSlack;   // K, V, 2 x (Q, dO, lse2, delta)
+};
+
+// Fragment coordinates of an m16n8 accumulator: element e of n-tile n sits in row
+// (lane / 4) + 8 (e / 2) and column 8 n + 2 (lane % 4) + e % 2.
+__device__ __forceinline__ int frag_row(int lane, int e) { return (lane >> 2) + 8 * (e >> 1); }
+__device__ __forceinline__ int frag_col(int lane, int n, int e) { return 8 * n + 2 * (lane & 3) + (e & 1); }
+
+// A CTA's batch, head and tile index in a grid of tiles x B x `heads`, heads fastest.
+struct BwdCta {
+    int64_t b;
+    int head, tile;
+};
+__device__ __forceinline__ BwdCta bwd_cta(int B, int heads) {
+    const int64_t bh = blockIdx.x % (int64_t(B) * heads);
+    return {bh / heads, int(bh % heads), int(blockIdx.x / (int64_t(B) * heads))};
+}
+
+// Kernel 1: one CTA per (query tile, batch, head); the tiles with the most keys start first.
+template <class Pol>
+__global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams p) {
+    constexpr bool kBf16 = Pol::kBf16;
+    constexpr int DP = Pol::DP, H = Pol::kTileHalves;
+    extern __shared__ __align__(16) uint16_t smem_raw[];
+    uint16_t* smem = Pol::aligned(smem_raw);
+    uint16_t *q_tile = smem, *do_tile = smem + H, *k_tile = smem + 2 * H, *v_tile = smem + 3 * H;
+
+    if (*p.nonfinite) return;   // the row-wise kernels take this call
+    const BwdCta cta = bwd_cta(p.B, p.Hq);
+    const int64_t b = cta.b;
+    const int h = cta.head, kv_head = h / p.group, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int qt = (p.T + kTile - 1) / kTile - 1 - cta.tile, q0 = qt * kTile;
+    const bool bf16 = kBf16;
+
+    Pol::load(q_tile, static_cast<const uint16_t*>(p.q), b, q0, h, p.Hq, p.T);
+    Pol::load(do_tile, static_cast<const uint16_t*>(p.dout), b, q0, h, p.Hq, p.T);
+    cp_async_commit();
+
+    // delta of this lane's two rows (every lane of a quad computes the same value).
+    float delta[2], lse2[2], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int t = q0 + 16 * warp + frag_row(lane, 2 * half);
+        float sum = 0.f;
+        if (t < p.T) {
+            const int64_t row = ((b * p.T + t) * p.Hq + h) * int64_t(DP);
+            for (int d = (lane & 3); d < DP; d += 4)
+                sum = fmaf(to_float(static_cast<const uint16_t*>(p.dout)[row + d], bf16),
+                           to_float(static_cast<const uint16_t*>(p.o)[row + d], bf16), sum);
+        }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        delta[half] = sum;
+    }
+
+    auto masked = [&](int kt, int n, int e) {
+        const int t = q0 + 16 * warp + frag_row(lane, e), j = kt * kTile + frag_col(lane, n, e);
+        return j > t || j >= p.T;
+    };
+
+    // Pass 1: the rows' maximum and sum, online over the key tiles. K tile kt lands in k_tile
+    // (kt even) or v_tile (kt odd) while the tile before it is in use.
+    auto k_stage = [&](int kt) { return kt & 1 ? v_tile : k_tile; };
+    Pol::load(k_stage(0), static_cast<const uint16_t*>(p.k), b, 0, kv_head, p.Hkv, p.T);
+    cp_async_commit();
+    for (int kt = 0; kt <= qt; ++kt) {
+        if (kt < qt) Pol::load(k_stage(kt + 1), static_cast<const uint16_t*>(p.k), b, (kt + 1) * kTile, kv_head, p.Hkv, p.T);
+        cp_async_commit();    // (empty on the last tile)
+        cp_async_wait<1>();   // everything but the tile just issued has landed
+        Pol::landed();
+        __syncthreads();
+        float s[1][kTile / 8][4] = {};
+        Pol::qk(s, q_tile, k_stage(kt), warp, lane);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float tile_max = -INFINITY;
+#pragma unroll
+            for (int n = 0; n < kTile / 8; ++n)
+#pragma unroll
+                for (int e = 2 * half; e < 2 * half + 2; ++e) {
+                    s[0][n][e] = masked(kt, n, e) ? -INFINITY : s[0][n][e] * p.scale_log2;
+                    tile_max = fmaxf(tile_max, s[0][n][e]);
+                }
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+            const float m_new = fmaxf(m[half], tile_max);
+            float sum = 0.f;
+#pragma unroll
+            for (int n = 0; n < kTile / 8; ++n)
+#pragma unroll
+                for (int e = 2 * half; e < 2 * half + 2; ++e)
+                    sum += s[0][n][e] == -INFINITY ? 0.f : fast_exp2(s[0][n][e] - m_new);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            l[half] = (m[half] == -INFINITY ? 0.f : l[half] * fast_exp2(m[half] - m_new)) + sum;
+            m[half] = m_new;
+        }
+        __syncthreads();   // this stage takes tile kt + 2, issued at the top of the next iteration
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) lse2[half] = m[half] + log2f(l[half]);
+
+    // Pass 2: dQ.
+    float dq[1][DP / 8][4] = {};
+    for (int kt = 0; kt <= qt; ++kt) {
+        Pol::load(k_tile, static_cast<const uint16_t*>(p.k), b, kt * kTile, kv_head, p.Hkv, p.T);
+        Pol::load(v_tile, static_cast<const uint16_t*>(p.v), b, kt * kTile, kv_head, p.Hkv, p.T);
+        cp_async_commit();
+        cp_async_wait<0>();
+        Pol::landed();
+        __syncthreads();
+        float s[1][kTile / 8][4] = {}, dp[1][kTile / 8][4] = {};
+        Pol::qk2(s, q_tile, k_tile, dp, do_tile, v_tile, warp, lane);
+#pragma unroll
+        for (int n = 0; n < kTile / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float prob = masked(kt, n, e) ? 0.f : fast_exp2(s[0][n][e] * p.scale_log2 - lse2[e >> 1]);
+                s[0][n][e] = prob * (dp[0][n][e] - delta[e >> 1]);   // dS
+            }
+        Pol::pv(dq, s, k_tile, lane);
+        __syncthreads();
+    }
+
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int t = q0 + 16 * warp + frag_row(lane, 2 * half);
+        if (t >= p.T) continue;
+        const int64_t row = (b * p.T + t) * p.Hq + h;
+        uint16_t* out = static_cast<uint16_t*>(p.dq) + row * DP;
+#pragma unroll
+        for (int n = 0; n < DP / 8; ++n)
+            store_pair(out + frag_col(lane, n, 2 * half), dq[0][n][2 * half] * p.scale, dq[0][n][2 * half + 1] * p.scale, bf16);
+        if ((lane & 3) == 0) {
+            p.lse2[row] = lse2[half];
+            p.delta[row] = delta[half];
+        }
+    }
+}
+
+// Kernel 2: one CTA per (key tile, batch, kv head); the tiles with the most queries start first.
+template <class Pol>
+__global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdParams p) {
+    if (*p.nonfinite) return;   // the row-wise kernels take this call
+    constexpr bool kBf16 = Pol::kBf16;
+    constexpr int DP = Pol::DP, H = Pol::kTileHalves;
+    extern __shared__ __align__(16) uint16_t smem_raw[];
+    uint16_t* smem = Pol::aligned(smem_raw);
+    uint16_t *k_tile = smem, *v_tile = smem + H;
+    auto q_tile = [&](int st) { return smem + (2 + 2 * st) * H; };
+    auto do_tile = [&](int st) { return smem + (3 + 2 * st) * H; };
+    auto lse2_s = [&](int st) { return reinterpret_cast<float*>(smem + 6 * H) + st * 2 * kTile; };
+    auto delta_s = [&](int st) { return lse2_s(st) + kTile; };
+
+    const BwdCta cta = bwd_cta(p.B, p.Hkv);
+    const int64_t b = cta.b;
+    const int kv_head = cta.head, warp = threadIdx.x / 32, lane = threadIdx.x % 32, tiles = (p.T + kTile - 1) / kTile;
+    const int kt = cta.tile, k0 = kt * kTile;
+    const bool bf16 = kBf16;
+
+    Pol::load(k_tile, static_cast<const uint16_t*>(p.k), b, k0, kv_head, p.Hkv, p.T);
+    Pol::load(v_tile, static_cast<const uint16_t*>(p.v), b, k0, kv_head, p.Hkv, p.T);
+    cp_async_commit();
+
+    // Step i is query tile kt + i / G of head kv_head * G + i % G: its Q, dO, lse2 and delta go to
+    // stage i % 2 while step i - 1 computes from the other stage.
+    const int steps = (tiles - kt) * p.group;
+    auto load_step = [&](int i, int st) {
+        const int q0 = (kt + i / p.group) * kTile, h = kv_head * p.group + i % p.group;
+        Pol::load(q_tile(st), static_cast<const uint16_t*>(p.q), b, q0, h, p.Hq, p.T);
+        Pol::load(do_tile(st), static_cast<const uint16_t*>(p.dout), b, q0, h, p.Hq, p.T);
+        for (int r = threadIdx.x; r < kTile; r += kThreads) {
+            const int t = q0 + r;
+            const int64_t row = (b * p.T + (t < p.T ? t : 0)) * p.Hq + h;
+            cp_async4(lse2_s(st) + r, p.lse2 + row, t < p.T ? 4 : 0);
+            cp_async4(delta_s(st) + r, p.delta + row, t < p.T ? 4 : 0);
+        }
+    };
+    load_step(0, 0);
+    cp_async_commit();
+
+    float dk[1][DP / 8][4] = {}, dv[1][DP / 8][4] = {};
+    for (int i = 0; i < steps; ++i) {
+        const int st = i & 1, q0 = (kt + i / p.group) * kTile;
+        if (i + 1 < steps) load_step(i + 1, st ^ 1);
+        cp_async_commit();    // (empty on the last step)
+        cp_async_wait<1>();   // everything but the step just issued has landed
+        Pol::landed();
+        __syncthreads();
+        const float* lse2_t = lse2_s(st);
+        const float* delta_t = delta_s(st);
+        float s[1][kTile / 8][4] = {}, dp[1][kTile / 8][4] = {};
+        Pol::qk2(s, k_tile, q_tile(st), dp, v_tile, do_tile(st), warp, lane);   // S^T, dP^T
+#pragma unroll
+        for (int n = 0; n < kTile / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int j = k0 + 16 * warp + frag_row(lane, e), c = frag_col(lane, n, e), t = q0 + c;
+                const bool masked = t < j || t >= p.T || j >= p.T;
+                const float prob = masked ? 0.f : fast_exp2(s[0][n][e] * p.scale_log2 - lse2_t[c]);
+                s[0][n][e] = prob;                                  // P^T
+                dp[0][n][e] = prob * (dp[0][n][e] - delta_t[c]);    // dS^T
+            }
+        Pol::pv2(dv, s, do_tile(st), dk, dp, q_tile(st), lane);
+        __syncthreads();   // stage st takes step i + 2, issued at the top of the next iteration
+    }
+
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int j = k0 + 16 * warp + frag_row(lane, 2 * half);
+        if (j >= p.T) continue;
+        const int64_t row = (b * p.T + j) * p.Hkv + kv_head;
+        uint16_t* dk_out = static_cast<uint16_t*>(p.dk) + row * DP;
+        uint16_t* dv_out = static_cast<uint16_t*>(p.dv) + row * DP;
+#pragma unroll
+        for (int n = 0; n < DP / 8; ++n) {
+            const int c = frag_col(lane, n, 2 * half);
+            store_pair(dk_out + c, dk[0][n][2 * half] * p.scale, dk[0][n][2 * half + 1] * p.scale, bf16);
+            store_pair(dv_out + c, dv[0][n][2 * half], dv[0][n][2 * half + 1], bf16);
+        }
+    }
+}
+
+// Both kernels of one policy's unit, after the inputs' scan (attention.cu) on the same stream.
+template <class Pol>
+cudaError_t bwd_launch(const GqaBwdParams& p, cudaStream_t stream, int dev) {
+    if (p.dtype != (Pol::kBf16 ? kGqaBFloat16 : kGqaFloat16) || p.D != Pol::DP) return cudaErrorInvalidValue;
+    static bool raised_dq[kMaxDevices] = {}, raised_dkdv[kMaxDevices] = {};
+    constexpr size_t dq_smem = BwdSmem<Pol>::kDq, dkdv_smem = BwdSmem<Pol>::kDkdv;
+    const int64_t tiles = (p.T + kTile - 1) / kTile;
+    const int64_t dq_ctas = tiles * p.B * p.Hq, dkdv_ctas = tiles * p.B * p.Hkv;
+    if (dq_ctas > 0x7fffffff || dkdv_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
+    cudaError_t err = raise_smem_limit(gqa_bwd_dq_kernel<Pol>, dq_smem, dev, raised_dq);
+    if (err != cudaSuccess) return err;
+    err = raise_smem_limit(gqa_bwd_dkdv_kernel<Pol>, dkdv_smem, dev, raised_dkdv);
+    if (err != cudaSuccess) return err;
+    gqa_bwd_dq_kernel<Pol><<<unsigned(dq_ctas), kThreads, dq_smem, stream>>>(p);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    gqa_bwd_dkdv_kernel<Pol><<<unsigned(dkdv_ctas), kThreads, dkdv_smem, stream>>>(p);
+    return cudaGetLastError();
+}
+
+// The unit's entry point, gqa_launch_<family> (gqa_params.h: GqaBwdLauncher), for policy POL.
+#define GQA_BWD_ENTRY(family, POL)                                                                    \
+    extern "C" int gqa_launch_##family(const GqaBwdParams* p, void* stream) {                         \
+        int dev = 0;                                                                                   \
+        const cudaError_t err = cudaGetDevice(&dev);                                                   \
+        return int(err != cudaSuccess ? err : bwd_launch<POL>(*p, static_cast<cudaStream_t>(stream), dev)); \
+    }
+
+}  // namespace
+#endif  // GQA_BWDMMA_KERNELS_CUH
