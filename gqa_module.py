@@ -272,7 +272,7 @@ def load_extension(first_call=None):
     same kernel sources, and a RuntimeError naming both sha256s is raised otherwise. The other
     kernel units build on first use (load_unit). `first_call`: the (q, k, v) of the call that
     needs the library; when the entry library must be built, the builder builds the unit their plan
-    names beside it, in a process of its own (_start_unit_child)."""
+    names beside it, in a process of its own (_start_unit_builder)."""
     global _OPS
     if _OPS is not None:
         return _OPS
@@ -286,7 +286,7 @@ def load_extension(first_call=None):
                          _translation_unit(files, "binding.cpp"), _translation_unit(files, "attention.cu"),
                          flags + (["-DGQA_SM90A"] if sm90a else []))
         if first_call is not None and not os.path.exists(_built_path(entry)):
-            _start_unit_child(first_call, sha, targets, files)
+            _start_unit_builder(first_call, sha, targets, files)
         _build(entry, done=lambda: _library_in_process(sha) is not None)
         namespace = getattr(torch.ops, _LIBRARY)
         if not hasattr(namespace, "_gqa_source_sha256"):
@@ -428,7 +428,7 @@ def _start_builder(job):
     return subprocess.Popen([sys.executable, "-c", _BUILDER, fh.name], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
 
 
-def _start_unit_child(first_call, sha, targets, files):
+def _start_unit_builder(first_call, sha, targets, files):
     """Start the builder on the unit a first call's (q, k, v) runs, beside the entry library's
     build, when they look like inputs the kernels take; their rows count as 16-byte aligned when
     all three are contiguous on 16 bytes (a wrong guess only builds a unit the call does not run)."""

@@ -1344,7 +1344,7 @@ def test_killed_build_does_not_block_the_next(tmp_path):
 @pytest.mark.parametrize("shape, dtype, unit", [((2, 80, 8, 2, 32), "float32", None),
                                                 ((1, 1024, 8, 2, 128), "bfloat16", "wgmma/bf16/d128")])
 def test_gpu_first_call_builds_the_entry_and_its_unit_at_once(tmp_path, shape, dtype, unit):
-    """A first call in a fresh process builds the entry library and, beside it in the unit child,
+    """A first call in a fresh process builds the entry library and, beside it in the builder,
     the plan library and the unit the call runs, each once; at the harness shape no unit (the short
     family is compiled into the entry library)."""
     code = ("import sys, torch, gqa_module\n"
@@ -1364,7 +1364,7 @@ def test_gpu_first_call_builds_the_entry_and_its_unit_at_once(tmp_path, shape, d
         assert "compiling the %s kernels (first use" % unit not in run.stderr
 
 
-def test_unit_child_builds_the_unit_load_unit_then_loads(tmp_path):
+def test_builder_builds_the_unit_load_unit_then_loads(tmp_path):
     """The builder, given a first call's shape, builds the plan library and the unit its plan names,
     under the names load_unit uses (no second build); for the harness shape, the plan library only."""
     code = ("import gqa_module as g\n"
