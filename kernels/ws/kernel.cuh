@@ -161,7 +161,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
                     chunks[i] = w;
                     hit = true;
                 }
-                if (hit) bad_tile[st] = n + 1;   // every writer writes the same value
+                if (hit) atomicMax(&bad_tile[st], n + 1);   // larger than any earlier tile's mark
                 fence_async_proxy();              // the zeros, before the consumers' wgmma reads
             }
             mbar_arrive(&ready[st]);
