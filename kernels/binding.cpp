@@ -270,6 +270,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward_cuda(
 // Which backward kernels a call with these inputs runs.
 std::string backward_plan_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
     check_inputs(q, k, v);
+    const c10::cuda::CUDAGuard device_guard(q.device());   // the plan reads the current device's facts
     return gqa_backward_plan(backward_params_of(q, k));
 }
 
