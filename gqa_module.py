@@ -55,10 +55,11 @@ def _read_kernel_files():
     return dict(sorted(files.items()))
 
 
-def kernel_source_sha256():
-    """sha256 of the bytes of every file under kernels/, concatenated in sorted path order."""
+def kernel_source_sha256(files=None):
+    """sha256 of the bytes of every file under kernels/ (`files`, from _read_kernel_files, when the
+    caller has read them already), concatenated in sorted path order."""
     digest = hashlib.sha256()
-    for blob in _read_kernel_files().values():
+    for blob in (files if files is not None else _read_kernel_files()).values():
         digest.update(blob)
     return digest.hexdigest()
 
@@ -276,12 +277,12 @@ def load_extension(first_call=None):
     global _OPS
     if _OPS is not None:
         return _OPS
-    sha = kernel_source_sha256()
+    files = _read_kernel_files()
+    sha = kernel_source_sha256(files)
     if _library_in_process(sha) is None:
         _use_cuda_home(_cuda_home())
         targets = _targets()
         flags, sm90a, tag = targets
-        files = _read_kernel_files()
         entry = _library("%s_%s_sm%s" % (_LIBRARY, sha[:12], tag), "the entry library",
                          _translation_unit(files, "binding.cpp"), _translation_unit(files, "attention.cu"),
                          flags + (["-DGQA_SM90A"] if sm90a else []))
