@@ -61,13 +61,16 @@ template <int DP> struct WsTraits {
     // half as often per score) where registers allow; at width 256, O's 128 take that room.
     static constexpr int kKeys = DP == 256 ? 64 : 128;
     static constexpr int kThreads = 384;                // producer warpgroup, then two consumers
-    static constexpr int kStages = DP == 64 ? 4 : 2;   // 64 KB of K/V a stage at width 128
+    // Stages of the ring: at width 128 a stage (64 KB of K/V) is refilled only once both warpgroups
+    // are done with its tile, so 2 stages left the next tile's load exposed; 3 (225 KB in all) do not.
+    static constexpr int kStages = DP == 64 ? 4 : DP == 128 ? 3 : 2;
     static constexpr bool kPingPong = true;             // the consumers take turns issuing products
     static constexpr bool kOverlap = DP <= 128;         // S of tile n + 1 beside P V of tile n
     static constexpr int kTileBytes = kKeys * DP * 2;   // one K or V tile
     static constexpr int kQBytes = kBlockM * DP * 2;
     static constexpr size_t kSmemBytes = 1024 + size_t(kQBytes) + size_t(2) * kStages * kTileBytes;
     static_assert(DP == 64 || DP == 128 || DP == 256, "head_dim widths 64, 128 and 256");
+    static_assert(kSmemBytes + 128 <= 227 * 1024, "the ring, Q and the barriers fit one CTA's shared memory");
 };
 
 // The K and V tensor maps: dims (D, Hkv, T, B), boxes of 64 columns x 1 head x a tile's keys x 1
