@@ -1,5 +1,5 @@
 // The warp-specialised 16-bit forward (sm_90a): one producer warpgroup and two consumer
-// warpgroups per CTA of 128 packed rows. The producer's first warp loads K and V tiles with TMA
+// warpgroups (three at width 64) per CTA, 64 packed rows each. The producer's first warp loads K and V tiles with TMA
 // into a ring of shared-memory stages (an mbarrier per stage says "landed", another "free"); its
 // other three warps scan each landed V tile for Inf and NaN (zeroing them, as the tiled wgmma
 // variant does) and then say "ready". Each consumer warpgroup owns 64 of the CTA's rows and runs
@@ -44,23 +44,34 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, u
 // Register reallocation between warpgroups (every thread of the warpgroup executes it).
 template <int N> __device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
 template <int N> __device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
-// A barrier among the two consumer warpgroups only (id 1; id 0 is __syncthreads).
-__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
-// Ping-pong between the consumer warpgroups: barrier 2 + w is warpgroup w's turn to issue its
-// products. It waits there (128 threads) for the other warpgroup's arrival (128 more), issues,
-// then arrives at the other's barrier: one warpgroup's softmax runs under the other's products.
+// A barrier among the consumer warpgroups only (id 1; id 0 is __syncthreads).
+template <int kConsumers> __device__ __forceinline__ void consumers_sync() {
+    asm volatile("bar.sync 1, %0;\n" ::"n"(128 * kConsumers) : "memory");
+}
+// Turns between the consumer warpgroups, in a ring: barrier 2 + w is warpgroup w's turn to issue
+// its products. It waits there (128 threads) for the previous warpgroup's arrival (128 more),
+// issues, then arrives at the next one's barrier: one warpgroup's softmax runs under the others'
+// products.
 __device__ __forceinline__ void turn_wait(int wg) { asm volatile("bar.sync %0, 256;\n" ::"r"(2 + wg) : "memory"); }
-__device__ __forceinline__ void turn_pass(int wg) { asm volatile("bar.arrive %0, 256;\n" ::"r"(3 - wg) : "memory"); }
+template <int kConsumers> __device__ __forceinline__ void turn_pass(int wg) {
+    asm volatile("bar.arrive %0, 256;\n" ::"r"(2 + (wg + 1) % kConsumers) : "memory");
+}
 
 // ---------------------------------------------------------------------------------------------
 // Configuration. A stage holds a K and a V tile in 64-column blocks of [keys][128 bytes], the
 // layout TMA's 128-byte swizzle writes and the wgmma descriptors read (sw128_offset).
 template <int DP> struct WsTraits {
-    static constexpr int kBlockM = 128;                 // packed rows per CTA: 64 per consumer warpgroup
+    // Consumer warpgroups, 64 packed rows each: three at width 64, where the softmax's exponentials
+    // take as long as the products and more warps hide them; two elsewhere (O's registers).
+    static constexpr int kConsumers = DP == 64 ? 3 : 2;
+    static constexpr int kBlockM = 64 * kConsumers;     // packed rows per CTA
+    // setmaxnreg: the producer's registers and the consumers' (a multiple of 8; in all <= 64K).
+    static constexpr int kProducerRegs = kConsumers == 2 ? 40 : 24;
+    static constexpr int kConsumerRegs = kConsumers == 2 ? 232 : 160;
     // Keys per tile: 128 (S as one m64n128 product per k-step, so K is read from shared memory
     // half as often per score) where registers allow; at width 256, O's 128 take that room.
     static constexpr int kKeys = DP == 256 ? 64 : 128;
-    static constexpr int kThreads = 384;                // producer warpgroup, then two consumers
+    static constexpr int kThreads = 128 * (1 + kConsumers);   // the producer warpgroup, then the consumers
     // Stages of the ring: at width 128 a stage (64 KB of K/V) is refilled only once both warpgroups
     // are done with its tile, so 2 stages left the next tile's load exposed; 3 (225 KB in all) do not.
     static constexpr int kStages = DP == 64 ? 4 : DP == 128 ? 3 : 2;
@@ -70,6 +81,7 @@ template <int DP> struct WsTraits {
     static constexpr int kQBytes = kBlockM * DP * 2;
     static constexpr size_t kSmemBytes = 1024 + size_t(kQBytes) + size_t(2) * kStages * kTileBytes;
     static_assert(DP == 64 || DP == 128 || DP == 256, "head_dim widths 64, 128 and 256");
+    static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "the register file holds every warpgroup");
     static_assert(kSmemBytes + 128 <= 227 * 1024, "the ring, Q and the barriers fit one CTA's shared memory");
 };
 
@@ -80,12 +92,12 @@ struct WsMaps {
 };
 
 template <int kDtype, int DP>
-__global__ void __launch_bounds__(384, 1)
+__global__ void __launch_bounds__(WsTraits<DP>::kThreads, 1)
 gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const TileDivs dv) {
     using Tr = WsTraits<DP>;
     using Elem = Half16;
     constexpr bool bf16 = kDtype == kGqaBFloat16;
-    constexpr int BM = Tr::kBlockM, TK = Tr::kKeys, S = Tr::kStages;
+    constexpr int BM = Tr::kBlockM, TK = Tr::kKeys, S = Tr::kStages, kC = Tr::kConsumers;
     constexpr int kNTiles = TK / 8;   // n-tiles of S per warp row
     constexpr int kDTiles = DP / 8;   // n-tiles of O
 
@@ -114,7 +126,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
         for (int st = 0; st < S; ++st) {
             mbar_init(&full[st], 1);
             mbar_init(&ready[st], 96);
-            mbar_init(&empty[st], 256);
+            mbar_init(&empty[st], 128 * kC);
             bad_tile[st] = 0;
         }
         mbar_init_fence();
@@ -124,7 +136,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (warp < 4) {
         // ----------------------------------------------------------------------------- producer
-        regs_dec<40>();   // 40 + 2 x 232 registers per thread of a warpgroup fit the SM's 64K
+        regs_dec<Tr::kProducerRegs>();
         if (warp == 0) {
             if (lane == 0) {
                 for (int n = 0; n < n_kv; ++n) {
@@ -173,7 +185,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
     }
 
     // --------------------------------------------------------------------------------- consumers
-    regs_inc<232>();
+    regs_inc<Tr::kConsumerRegs>();
     const int ct = threadIdx.x - 128;            // 0..255
     const int wg = ct / 128;                     // consumer warpgroup: rows wg * 64 .. + 63
     const int cw = (ct % 128) / 32;              // warp within the warpgroup
@@ -181,7 +193,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
     const HeadRows<Elem> head(p, b, kvh);
     {   // Q: the CTA's 128 rows, zeros past the last row and past D
         constexpr int kChunks = DP / 8;
-        for (int i = ct; i < BM * kChunks; i += 256) {
+        for (int i = ct; i < BM * kChunks; i += 128 * kC) {
             const int r = i / kChunks, c = (i % kChunks) * 8;
             const Elem* src = head.q_row(p, dv.group, r0 + r, rows_total);
             const bool ok = src != nullptr && c < p.D;
@@ -190,7 +202,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
         cp_async_commit();
         cp_async_wait<0>();
         fence_async_proxy();
-        consumers_sync();
+        consumers_sync<kC>();
     }
 
     const int row0 = r0 + wg * 64 + cw * 16;     // the warp's first packed row
@@ -220,11 +232,13 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
     auto scalar_pv_nonfinite = [&](int key0) { add_nonfinite_pv(o, s, row_t, key0, head.v, p.v_stride_t, T, p.D, bf16); };
     auto issue_qk = [&](int n) { qk_wgmma<bf16, DP, BM, TK>(s, sQ, wg * 64, sK(n % S)); };
 
-    // Ping-pong: warpgroup 0 goes first; each issue of products is one turn, the same number of
-    // turns in each warpgroup, and warpgroup 1 gives up its last pass (nobody waits for it), so
-    // every barrier ends balanced.
+    // Turns: warpgroup 0 goes first (the last one's opening pass lets it); each issue of products
+    // is one turn, the same number of turns in each warpgroup, and the last warpgroup gives up its
+    // last pass (nobody waits for it), so every barrier ends balanced.
     constexpr bool kPP = Tr::kPingPong;
-    if (kPP && wg == 1) turn_pass(wg);
+    const bool last_wg = wg == kC - 1;
+    auto pass = [&]() { turn_pass<kC>(wg); };
+    if (kPP && last_wg) pass();
     auto rescale_o = [&]() {
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) {
@@ -240,7 +254,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
         if (kPP) turn_wait(wg);
         issue_qk(0);
         wg_commit();
-        if (kPP) turn_pass(wg);
+        if (kPP) pass();
         wg_wait<0>();
         fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));
         mask_softmax(0);   // O is still zero: f needs no applying
@@ -256,7 +270,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
             wg_commit();
             pv_wgmma<bf16, DP, TK>(o, pa, sV(n % S));
             wg_commit();
-            if (kPP) turn_pass(wg);
+            if (kPP) pass();
             wg_wait<1>();
             fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));
             mask_softmax((n + 1) * TK);
@@ -273,7 +287,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
             if (kPP) turn_wait(wg);
             pv_wgmma<bf16, DP, TK>(o, pa, sV((n_kv - 1) % S));
             wg_commit();
-            if (kPP && wg == 0) turn_pass(wg);
+            if (kPP && !last_wg) pass();
             wg_wait<0>();
             fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
         }
@@ -288,7 +302,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
             if (kPP) turn_wait(wg);
             issue_qk(n);
             wg_commit();
-            if (kPP) turn_pass(wg);
+            if (kPP) pass();
             wg_wait<0>();
             fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));
             mask_softmax(n * TK);
@@ -299,7 +313,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
             if (kPP) turn_wait(wg);
             pv_wgmma<bf16, DP, TK>(o, pa, sV(st));
             wg_commit();
-            if (kPP && (wg == 0 || n + 1 < n_kv)) turn_pass(wg);
+            if (kPP && (!last_wg || n + 1 < n_kv)) pass();
             wg_wait<0>();
             fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
             if (n + 1 < n_kv) mbar_arrive(&empty[st]);
