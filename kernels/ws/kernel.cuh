@@ -1,10 +1,12 @@
 // The warp-specialised 16-bit forward (sm_90a): one producer warpgroup and two consumer
-// warpgroups (three at width 64) per CTA, 64 packed rows each. The producer's first warp loads K and V tiles with TMA
-// into a ring of shared-memory stages (an mbarrier per stage says "landed", another "free"); its
-// other three warps scan each landed V tile for Inf and NaN (zeroing them, as the tiled wgmma
-// variant does) and then say "ready". Each consumer warpgroup owns 64 of the CTA's rows and runs
-// the tiled wgmma variant's software pipeline over the shared stages: S of tile n + 1 and its
-// softmax while P V of tile n is in flight.
+// warpgroups (three at width 64) per CTA, 64 packed rows each. The producer's first warp loads K
+// and V tiles with TMA into a ring of shared-memory stages, K and V each with an mbarrier saying
+// "landed" and another saying "free", in the order the consumers use them (K of tile n + 1 before
+// V of tile n); its other three warps scan each landed V tile for Inf and NaN (zeroing them, as
+// the tiled wgmma variant does) and then say "ready". Each consumer warpgroup owns 64 of the CTA's
+// rows and runs the tiled wgmma variant's software pipeline over the shared stages: S of tile
+// n + 1 and its softmax while P V of tile n is in flight. A K tile is free once its S product is
+// done, a V tile once its P V product is.
 #ifndef GQA_WS_KERNEL_CUH
 #define GQA_WS_KERNEL_CUH
 
@@ -72,11 +74,13 @@ template <int DP> struct WsTraits {
     // half as often per score) where registers allow; at width 256, O's 128 take that room.
     static constexpr int kKeys = DP == 256 ? 64 : 128;
     static constexpr int kThreads = 128 * (1 + kConsumers);   // the producer warpgroup, then the consumers
-    // Stages of the ring: at width 128 a stage (64 KB of K/V) is refilled only once both warpgroups
-    // are done with its tile, so 2 stages left the next tile's load exposed; 3 (225 KB in all) do not.
+    // Stages of the ring (K and V tiles each). At width 128, 3 stages (225 KB in all) measured
+    // 1.35x of 2 when a stage's K and V were freed together; at 256, 2 fill the shared memory.
     static constexpr int kStages = DP == 64 ? 4 : DP == 128 ? 3 : 2;
     static constexpr bool kPingPong = true;             // the consumers take turns issuing products
-    static constexpr bool kOverlap = DP <= 128;         // S of tile n + 1 beside P V of tile n
+    // S of tile n + 1 beside P V of tile n. At width 256 (O: 128 registers) a few values spill
+    // around the exact non-finite step and are reloaded once a tile.
+    static constexpr bool kOverlap = true;
     static constexpr int kTileBytes = kKeys * DP * 2;   // one K or V tile
     static constexpr int kQBytes = kBlockM * DP * 2;
     static constexpr size_t kSmemBytes = 1024 + size_t(kQBytes) + size_t(2) * kStages * kTileBytes;
@@ -106,7 +110,8 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
     Elem* sQ = reinterpret_cast<Elem*>(base);                                   // [DP / 64][BM][64], swizzled
     auto sK = [&](int st) { return reinterpret_cast<Elem*>(base + Tr::kQBytes + st * 2 * Tr::kTileBytes); };
     auto sV = [&](int st) { return sK(st) + TK * DP; };
-    __shared__ uint64_t full[S], ready[S], empty[S];   // landed (TMA), scanned, free (consumers done)
+    __shared__ uint64_t full_k[S], full_v[S], ready[S];   // K landed, V landed, V scanned
+    __shared__ uint64_t free_k[S], free_v[S];             // every consumer done with the K / V tile
     __shared__ int bad_tile[S];                        // n + 1 when tile n in the stage had Inf/NaN in V
 
     const int G = p.group, T = p.T;
@@ -124,9 +129,11 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
 
     if (threadIdx.x == 0) {
         for (int st = 0; st < S; ++st) {
-            mbar_init(&full[st], 1);
+            mbar_init(&full_k[st], 1);
+            mbar_init(&full_v[st], 1);
             mbar_init(&ready[st], 96);
-            mbar_init(&empty[st], 128 * kC);
+            mbar_init(&free_k[st], 128 * kC);
+            mbar_init(&free_v[st], 128 * kC);
             bad_tile[st] = 0;
         }
         mbar_init_fence();
@@ -139,15 +146,19 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
         regs_dec<Tr::kProducerRegs>();
         if (warp == 0) {
             if (lane == 0) {
-                for (int n = 0; n < n_kv; ++n) {
+                // Tile n of K or V into stage n % S, once the tile S before it there is free.
+                auto load = [&](const CUtensorMap* map, uint64_t* full, uint64_t* free_, Elem* dst, int n) {
                     const int st = n % S;
-                    if (n >= S) mbar_wait(&empty[st], uint32_t((n / S - 1) & 1));
-                    mbar_arrive_expect(&full[st], uint32_t(2 * Tr::kTileBytes));
+                    if (n >= S) mbar_wait(&free_[st], uint32_t((n / S - 1) & 1));
+                    mbar_arrive_expect(&full[st], uint32_t(Tr::kTileBytes));
 #pragma unroll
-                    for (int blk = 0; blk < DP / 64; ++blk) {
-                        tma_load_4d(sK(st) + blk * TK * 64, &maps.k, &full[st], blk * 64, kvh, n * TK, b);
-                        tma_load_4d(sV(st) + blk * TK * 64, &maps.v, &full[st], blk * 64, kvh, n * TK, b);
-                    }
+                    for (int blk = 0; blk < DP / 64; ++blk)
+                        tma_load_4d(dst + blk * TK * 64, map, &full[st], blk * 64, kvh, n * TK, b);
+                };
+                load(&maps.k, full_k, free_k, sK(0), 0);
+                for (int n = 0; n < n_kv; ++n) {
+                    if (n + 1 < n_kv) load(&maps.k, full_k, free_k, sK((n + 1) % S), n + 1);
+                    load(&maps.v, full_v, free_v, sV(n % S), n);
                 }
             }
             return;
@@ -161,7 +172,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
         auto carries = [&](uint32_t w) { return ((w & field) + unit) & 0x80008000u; };
         for (int n = 0; n < n_kv; ++n) {
             const int st = n % S;
-            mbar_wait(&full[st], uint32_t((n / S) & 1));
+            mbar_wait(&full_v[st], uint32_t((n / S) & 1));
             if (n * TK + TK - 1 > t_lo) {
                 uint4* chunks = reinterpret_cast<uint4*>(sV(st));
                 bool hit = false;
@@ -246,23 +257,27 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
             o[d][2] *= f[1], o[d][3] *= f[1];
         }
     };
+    // Tile n's K and V: landed (K) or landed and scanned (V), and the stage's Inf/NaN mark.
+    auto wait_k = [&](int n) { mbar_wait(&full_k[n % S], uint32_t((n / S) & 1)); };
+    auto wait_v = [&](int n) {
+        mbar_wait(&ready[n % S], uint32_t((n / S) & 1));
+        return bad_tile[n % S] == n + 1;
+    };
     if constexpr (Tr::kOverlap) {
         // The pipeline of the tiled wgmma variant, with the stages' barriers in place of its
         // copies: n_kv + 1 turns.
-        mbar_wait(&ready[0], 0);
-        bool nonfinite = bad_tile[0] == 1;
+        wait_k(0);
         if (kPP) turn_wait(wg);
         issue_qk(0);
         wg_commit();
         if (kPP) pass();
         wg_wait<0>();
         fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));
+        mbar_arrive(&free_k[0]);
         mask_softmax(0);   // O is still zero: f needs no applying
         for (int n = 0; n + 1 < n_kv; ++n) {
-            const int next = (n + 1) % S;
-            mbar_wait(&ready[next], uint32_t(((n + 1) / S) & 1));
-            const bool next_nonfinite = bad_tile[next] == n + 2;
-            if (nonfinite) scalar_pv_nonfinite(n * TK);
+            wait_k(n + 1);
+            if (wait_v(n)) scalar_pv_nonfinite(n * TK);
             uint32_t pa[kNTiles / 2][4];   // P of tile n; read by the wgmma until it completes
             pack_p<bf16>(pa, s);
             if (kPP) turn_wait(wg);
@@ -273,14 +288,14 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
             if (kPP) pass();
             wg_wait<1>();
             fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));
+            mbar_arrive(&free_k[(n + 1) % S]);   // this warpgroup is done with K of tile n + 1
             mask_softmax((n + 1) * TK);
             wg_wait<0>();
             fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
-            mbar_arrive(&empty[n % S]);   // this warpgroup is done with tile n's stage
+            mbar_arrive(&free_v[n % S]);         // and with V of tile n
             rescale_o();
-            nonfinite = next_nonfinite;
         }
-        if (nonfinite) scalar_pv_nonfinite((n_kv - 1) * TK);
+        if (wait_v(n_kv - 1)) scalar_pv_nonfinite((n_kv - 1) * TK);
         {
             uint32_t pa[kNTiles / 2][4];
             pack_p<bf16>(pa, s);
@@ -293,30 +308,28 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
         }
 
     } else {
-        // One tile at a time (S, softmax, P V; 2 n_kv turns): at head_dim 256, O's 128 registers
-        // leave no room for S of the next tile beside P of this one.
+        // One tile at a time (S, softmax, P V; 2 n_kv turns).
         for (int n = 0; n < n_kv; ++n) {
-            const int st = n % S;
-            mbar_wait(&ready[st], uint32_t((n / S) & 1));
-            const bool nonfinite = bad_tile[st] == n + 1;
+            wait_k(n);
             if (kPP) turn_wait(wg);
             issue_qk(n);
             wg_commit();
             if (kPP) pass();
             wg_wait<0>();
             fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));
+            mbar_arrive(&free_k[n % S]);
             mask_softmax(n * TK);
             rescale_o();
-            if (nonfinite) scalar_pv_nonfinite(n * TK);
+            if (wait_v(n)) scalar_pv_nonfinite(n * TK);
             uint32_t pa[kNTiles / 2][4];
             pack_p<bf16>(pa, s);
             if (kPP) turn_wait(wg);
-            pv_wgmma<bf16, DP, TK>(o, pa, sV(st));
+            pv_wgmma<bf16, DP, TK>(o, pa, sV(n % S));
             wg_commit();
             if (kPP && (!last_wg || n + 1 < n_kv)) pass();
             wg_wait<0>();
             fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
-            if (n + 1 < n_kv) mbar_arrive(&empty[st]);
+            mbar_arrive(&free_v[n % S]);
         }
     }
 
