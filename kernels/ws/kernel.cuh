@@ -89,15 +89,39 @@ template <int DP> struct WsTraits {
     static_assert(kSmemBytes + 128 <= 227 * 1024, "the ring, Q and the barriers fit one CTA's shared memory");
 };
 
-// The K and V tensor maps: dims (D, Hkv, T, B), boxes of 64 columns x 1 head x a tile's keys x 1
-// batch; keys past T and columns past D read as zeros.
+// The tensor maps. K and V: dims (D, Hkv, T, B), boxes of 64 columns x 1 head x a tile's keys x 1
+// batch. Q: dims (D, Hq, T, B), boxes of 64 columns x G heads x BM / G steps x 1 batch, which are
+// a CTA tile's packed rows in order (only when G divides BM: q_tma). Past T and past D: zeros.
 struct WsMaps {
-    CUtensorMap k, v;
+    CUtensorMap k, v, q;
 };
 
+// A CTA tile: BM packed rows of one (batch, kv head). Tiles are numbered longest rows first (the
+// last row tile of every (b, kv head), then the one before, ...), as the tiled kernel's grid.
+struct WsTile {
+    int b, kvh, r0, t_lo, n_kv;   // batch, kv head, first packed row, its time step, K/V tiles
+};
+template <int BM, int TK>
+__device__ __forceinline__ WsTile ws_tile(int tile, const GqaParams& p, const TileDivs& dv) {
+    const int bh_count = p.B * p.Hkv, n_qtiles = (p.T * p.group + BM - 1) / BM;
+    const int bh_tile = dv.bh.div(tile), bh = tile - bh_tile * bh_count;
+    WsTile w;
+    w.b = dv.hkv.div(bh);
+    w.kvh = bh - w.b * p.Hkv;
+    w.r0 = (n_qtiles - 1 - bh_tile) * BM;
+    w.t_lo = dv.group.div(w.r0);
+    w.n_kv = min(dv.group.div(w.r0 + BM - 1), p.T - 1) / TK + 1;
+    return w;
+}
+
+// Persistent: CTA c takes tiles c, c + gridDim.x, ... (longest first), and every role walks the
+// same sequence. The K/V ring runs on across tiles (step `it` counts the CTA's K/V tiles), and with
+// q_tma the producer loads the next tile's Q as soon as every consumer has issued its last S
+// product of this one, so the next tile's first products wait for nothing while this one's last
+// P V, softmax and stores finish. Without q_tma the consumers copy Q themselves at each tile.
 template <int kDtype, int DP>
 __global__ void __launch_bounds__(WsTraits<DP>::kThreads, 1)
-gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const TileDivs dv) {
+gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const TileDivs dv, int tiles, int q_tma) {
     using Tr = WsTraits<DP>;
     using Elem = Half16;
     constexpr bool bf16 = kDtype == kGqaBFloat16;
@@ -112,21 +136,10 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
     auto sV = [&](int st) { return sK(st) + TK * DP; };
     __shared__ uint64_t full_k[S], full_v[S], ready[S];   // K landed, V landed, V scanned
     __shared__ uint64_t free_k[S], free_v[S];             // every consumer done with the K / V tile
-    __shared__ int bad_tile[S];                        // n + 1 when tile n in the stage had Inf/NaN in V
+    __shared__ uint64_t full_q, free_q;                   // Q landed; every consumer's last S issued
+    __shared__ int bad_tile[S];                           // it + 1 when step it in the stage had Inf/NaN in V
 
-    const int G = p.group, T = p.T;
-    const int bh_count = p.B * p.Hkv;
-    const int rows_total = T * G;
-    const int n_qtiles = (rows_total + BM - 1) / BM;
-    const int bh_tile = dv.bh.div(int(blockIdx.x));   // longest rows first, as the tiled kernel
-    const int qtile = n_qtiles - 1 - bh_tile;
-    const int bh = int(blockIdx.x) - bh_tile * bh_count;
-    const int b = dv.hkv.div(bh), kvh = bh - b * p.Hkv;
-    const int r0 = qtile * BM;
-    const int t_lo = dv.group.div(r0);
-    const int t_hi = min(dv.group.div(r0 + BM - 1), T - 1);
-    const int n_kv = t_hi / TK + 1;
-
+    const int G = p.group, T = p.T, rows_total = T * G;
     if (threadIdx.x == 0) {
         for (int st = 0; st < S; ++st) {
             mbar_init(&full_k[st], 1);
@@ -136,6 +149,8 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
             mbar_init(&free_v[st], 128 * kC);
             bad_tile[st] = 0;
         }
+        mbar_init(&full_q, 1);
+        mbar_init(&free_q, 128 * kC);
         mbar_init_fence();
     }
     __syncthreads();
@@ -146,219 +161,251 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
         regs_dec<Tr::kProducerRegs>();
         if (warp == 0) {
             if (lane == 0) {
-                // Tile n of K or V into stage n % S, once the tile S before it there is free.
-                auto load = [&](const CUtensorMap* map, uint64_t* full, uint64_t* free_, Elem* dst, int n) {
-                    const int st = n % S;
-                    if (n >= S) mbar_wait(&free_[st], uint32_t((n / S - 1) & 1));
+                // Step `step` of K or V (key tile n of tile w) into stage step % S, once the step
+                // S before it there is free.
+                auto load = [&](const CUtensorMap* map, uint64_t* full, uint64_t* free_, bool v, int step, int n, const WsTile& w) {
+                    const int st = step % S;
+                    if (step >= S) mbar_wait(&free_[st], uint32_t((step / S - 1) & 1));
                     mbar_arrive_expect(&full[st], uint32_t(Tr::kTileBytes));
+                    Elem* dst = v ? sV(st) : sK(st);
 #pragma unroll
                     for (int blk = 0; blk < DP / 64; ++blk)
-                        tma_load_4d(dst + blk * TK * 64, map, &full[st], blk * 64, kvh, n * TK, b);
+                        tma_load_4d(dst + blk * TK * 64, map, &full[st], blk * 64, w.kvh, n * TK, w.b);
                 };
-                load(&maps.k, full_k, free_k, sK(0), 0);
-                for (int n = 0; n < n_kv; ++n) {
-                    if (n + 1 < n_kv) load(&maps.k, full_k, free_k, sK((n + 1) % S), n + 1);
-                    load(&maps.v, full_v, free_v, sV(n % S), n);
+                int it = 0, tc = 0;
+                for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, ++tc) {
+                    const WsTile w = ws_tile<BM, TK>(tile, p, dv);
+                    load(&maps.k, full_k, free_k, false, it, 0, w);
+                    if (q_tma) {
+                        if (tc > 0) mbar_wait(&free_q, uint32_t((tc - 1) & 1));
+                        mbar_arrive_expect(&full_q, uint32_t(Tr::kQBytes));
+#pragma unroll
+                        for (int blk = 0; blk < DP / 64; ++blk)
+                            tma_load_4d(sQ + blk * BM * 64, &maps.q, &full_q, blk * 64, w.kvh * G, w.r0 / G, w.b);
+                    }
+                    for (int n = 0; n < w.n_kv; ++n) {
+                        if (n + 1 < w.n_kv) load(&maps.k, full_k, free_k, false, it + n + 1, n + 1, w);
+                        load(&maps.v, full_v, free_v, true, it + n, n, w);
+                    }
+                    it += w.n_kv;
                 }
             }
             return;
         }
-        // Warps 1-3: Inf and NaN in V of a tile that some row of the CTA masks become zeros in
-        // shared memory (the consumers add them exactly from global memory instead); elsewhere
+        // Warps 1-3: Inf and NaN in V of a tile that some row of the CTA tile masks become zeros
+        // in shared memory (the consumers add them exactly from global memory instead); elsewhere
         // the products already give the reference's values.
         const int tid = threadIdx.x - 32;
         const uint32_t field = bf16 ? 0x7f807f80u : 0x7c007c00u;
         const uint32_t unit = bf16 ? 0x00800080u : 0x04000400u;
-        auto carries = [&](uint32_t w) { return ((w & field) + unit) & 0x80008000u; };
-        for (int n = 0; n < n_kv; ++n) {
-            const int st = n % S;
-            mbar_wait(&full_v[st], uint32_t((n / S) & 1));
-            if (n * TK + TK - 1 > t_lo) {
-                uint4* chunks = reinterpret_cast<uint4*>(sV(st));
-                bool hit = false;
-                for (int i = tid; i < TK * DP / 8; i += 96) {
-                    uint4 w = chunks[i];
-                    const uint32_t c0 = carries(w.x), c1 = carries(w.y), c2 = carries(w.z), c3 = carries(w.w);
-                    if ((c0 | c1 | c2 | c3) == 0) continue;
-                    auto keep = [](uint32_t c) {
-                        return (c & 0x8000u ? 0xffff0000u : 0xffffffffu) & (c & 0x80000000u ? 0x0000ffffu : 0xffffffffu);
-                    };
-                    w.x &= keep(c0), w.y &= keep(c1), w.z &= keep(c2), w.w &= keep(c3);
-                    chunks[i] = w;
-                    hit = true;
+        auto carries = [&](uint32_t x) { return ((x & field) + unit) & 0x80008000u; };
+        int it = 0;
+        for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+            const WsTile w = ws_tile<BM, TK>(tile, p, dv);
+            for (int n = 0; n < w.n_kv; ++n, ++it) {
+                const int st = it % S;
+                mbar_wait(&full_v[st], uint32_t((it / S) & 1));
+                if (n * TK + TK - 1 > w.t_lo) {
+                    uint4* chunks = reinterpret_cast<uint4*>(sV(st));
+                    bool hit = false;
+                    for (int i = tid; i < TK * DP / 8; i += 96) {
+                        uint4 x = chunks[i];
+                        const uint32_t c0 = carries(x.x), c1 = carries(x.y), c2 = carries(x.z), c3 = carries(x.w);
+                        if ((c0 | c1 | c2 | c3) == 0) continue;
+                        auto keep = [](uint32_t c) {
+                            return (c & 0x8000u ? 0xffff0000u : 0xffffffffu) & (c & 0x80000000u ? 0x0000ffffu : 0xffffffffu);
+                        };
+                        x.x &= keep(c0), x.y &= keep(c1), x.z &= keep(c2), x.w &= keep(c3);
+                        chunks[i] = x;
+                        hit = true;
+                    }
+                    if (hit) atomicMax(&bad_tile[st], it + 1);   // larger than any earlier step's mark
+                    fence_async_proxy();                           // the zeros, before the consumers' wgmma reads
                 }
-                if (hit) atomicMax(&bad_tile[st], n + 1);   // larger than any earlier tile's mark
-                fence_async_proxy();              // the zeros, before the consumers' wgmma reads
+                mbar_arrive(&ready[st]);
             }
-            mbar_arrive(&ready[st]);
         }
         return;
     }
 
     // --------------------------------------------------------------------------------- consumers
     regs_inc<Tr::kConsumerRegs>();
-    const int ct = threadIdx.x - 128;            // 0..255
+    const int ct = threadIdx.x - 128;            // 0 .. 128 kC - 1
     const int wg = ct / 128;                     // consumer warpgroup: rows wg * 64 .. + 63
     const int cw = (ct % 128) / 32;              // warp within the warpgroup
     const int gid = lane >> 2, tig = lane & 3;
-    const HeadRows<Elem> head(p, b, kvh);
-    {   // Q: the CTA's 128 rows, zeros past the last row and past D
-        constexpr int kChunks = DP / 8;
-        for (int i = ct; i < BM * kChunks; i += 128 * kC) {
-            const int r = i / kChunks, c = (i % kChunks) * 8;
-            const Elem* src = head.q_row(p, dv.group, r0 + r, rows_total);
-            const bool ok = src != nullptr && c < p.D;
-            cp_async16(reinterpret_cast<unsigned char*>(sQ) + sw128_offset(r, c, BM), ok ? src + c : head.q, ok ? 16 : 0);
-        }
-        cp_async_commit();
-        cp_async_wait<0>();
-        fence_async_proxy();
-        consumers_sync<kC>();
-    }
-
-    const int row0 = r0 + wg * 64 + cw * 16;     // the warp's first packed row
-    int row_t[2];                                // time steps of this thread's rows gid and gid + 8
-    row_t[0] = dv.group.div(row0 + gid);
-    row_t[1] = dv.group.div(row0 + gid + 8);
-    const int warp_t_lo = dv.group.div(row0);
     const float scale_log2 = p.scale_log2;
-    float o[kDTiles][4];
-#pragma unroll
-    for (int d = 0; d < kDTiles; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-    float s[kNTiles][4];   // S, then P, of the tile in hand
-    float f[2];            // O's rescale factors from the last softmax
-
-    auto mask_softmax = [&](int key0) {
-        if (key0 + TK - 1 > warp_t_lo) {
-#pragma unroll
-            for (int j = 0; j < kNTiles; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if (key0 + j * 8 + 2 * tig + (e & 1) > row_t[e >> 1]) s[j][e] = -INFINITY;
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) f[r] = softmax_row<kNTiles>(s, 2 * r, m[r], l[r], scale_log2);
-    };
-    auto scalar_pv_nonfinite = [&](int key0) { add_nonfinite_pv(o, s, row_t, key0, head.v, p.v_stride_t, T, p.D, bf16); };
-    auto issue_qk = [&](int n) { qk_wgmma<bf16, DP, BM, TK>(s, sQ, wg * 64, sK(n % S)); };
-
     // Turns: warpgroup 0 goes first (the last one's opening pass lets it); each issue of products
     // is one turn, the same number of turns in each warpgroup, and the last warpgroup gives up its
-    // last pass (nobody waits for it), so every barrier ends balanced.
+    // very last pass (nobody waits for it), so every barrier ends balanced.
     constexpr bool kPP = Tr::kPingPong;
     const bool last_wg = wg == kC - 1;
     auto pass = [&]() { turn_pass<kC>(wg); };
     if (kPP && last_wg) pass();
-    auto rescale_o = [&]() {
-#pragma unroll
-        for (int d = 0; d < kDTiles; ++d) {
-            o[d][0] *= f[0], o[d][1] *= f[0];
-            o[d][2] *= f[1], o[d][3] *= f[1];
-        }
-    };
-    // Tile n's K and V: landed (K) or landed and scanned (V), and the stage's Inf/NaN mark.
-    auto wait_k = [&](int n) { mbar_wait(&full_k[n % S], uint32_t((n / S) & 1)); };
-    auto wait_v = [&](int n) {
-        mbar_wait(&ready[n % S], uint32_t((n / S) & 1));
-        return bad_tile[n % S] == n + 1;
-    };
-    if constexpr (Tr::kOverlap) {
-        // The pipeline of the tiled wgmma variant, with the stages' barriers in place of its
-        // copies: n_kv + 1 turns.
-        wait_k(0);
-        if (kPP) turn_wait(wg);
-        issue_qk(0);
-        wg_commit();
-        if (kPP) pass();
-        wg_wait<0>();
-        fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));
-        mbar_arrive(&free_k[0]);
-        mask_softmax(0);   // O is still zero: f needs no applying
-        for (int n = 0; n + 1 < n_kv; ++n) {
-            wait_k(n + 1);
-            if (wait_v(n)) scalar_pv_nonfinite(n * TK);
-            uint32_t pa[kNTiles / 2][4];   // P of tile n; read by the wgmma until it completes
-            pack_p<bf16>(pa, s);
-            if (kPP) turn_wait(wg);
-            issue_qk(n + 1);
-            wg_commit();
-            pv_wgmma<bf16, DP, TK>(o, pa, sV(n % S));
-            wg_commit();
-            if (kPP) pass();
-            wg_wait<1>();
-            fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));
-            mbar_arrive(&free_k[(n + 1) % S]);   // this warpgroup is done with K of tile n + 1
-            mask_softmax((n + 1) * TK);
-            wg_wait<0>();
-            fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
-            mbar_arrive(&free_v[n % S]);         // and with V of tile n
-            rescale_o();
-        }
-        if (wait_v(n_kv - 1)) scalar_pv_nonfinite((n_kv - 1) * TK);
-        {
-            uint32_t pa[kNTiles / 2][4];
-            pack_p<bf16>(pa, s);
-            if (kPP) turn_wait(wg);
-            pv_wgmma<bf16, DP, TK>(o, pa, sV((n_kv - 1) % S));
-            wg_commit();
-            if (kPP && !last_wg) pass();
-            wg_wait<0>();
-            fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
+    int it = 0, tc = 0;   // the CTA's K/V step at this tile's first K/V tile; tiles done
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, ++tc) {
+        const WsTile w = ws_tile<BM, TK>(tile, p, dv);
+        const int n_kv = w.n_kv;
+        const bool more = tile + int(gridDim.x) < tiles;
+        const HeadRows<Elem> head(p, w.b, w.kvh);
+        if (q_tma) {
+            mbar_wait(&full_q, uint32_t(tc & 1));
+        } else {   // Q: the tile's rows, zeros past the last row and past D
+            consumers_sync<kC>();   // every S product of the last tile, which read sQ, has completed
+            constexpr int kChunks = DP / 8;
+            for (int i = ct; i < BM * kChunks; i += 128 * kC) {
+                const int r = i / kChunks, c = (i % kChunks) * 8;
+                const Elem* src = head.q_row(p, dv.group, w.r0 + r, rows_total);
+                const bool ok = src != nullptr && c < p.D;
+                cp_async16(reinterpret_cast<unsigned char*>(sQ) + sw128_offset(r, c, BM), ok ? src + c : head.q, ok ? 16 : 0);
+            }
+            cp_async_commit();
+            cp_async_wait<0>();
+            fence_async_proxy();
+            consumers_sync<kC>();
         }
 
-    } else {
-        // One tile at a time (S, softmax, P V; 2 n_kv turns).
-        for (int n = 0; n < n_kv; ++n) {
-            wait_k(n);
+        const int row0 = w.r0 + wg * 64 + cw * 16;   // the warp's first packed row
+        int row_t[2];                                // time steps of this thread's rows gid and gid + 8
+        row_t[0] = dv.group.div(row0 + gid);
+        row_t[1] = dv.group.div(row0 + gid + 8);
+        const int warp_t_lo = dv.group.div(row0);
+        float o[kDTiles][4];
+#pragma unroll
+        for (int d = 0; d < kDTiles; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+        float s[kNTiles][4];   // S, then P, of the K/V tile in hand
+        float f[2];            // O's rescale factors from the last softmax
+
+        auto mask_softmax = [&](int key0) {
+            if (key0 + TK - 1 > warp_t_lo) {
+#pragma unroll
+                for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (key0 + j * 8 + 2 * tig + (e & 1) > row_t[e >> 1]) s[j][e] = -INFINITY;
+            }
+#pragma unroll
+            for (int r = 0; r < 2; ++r) f[r] = softmax_row<kNTiles>(s, 2 * r, m[r], l[r], scale_log2);
+        };
+        auto scalar_pv_nonfinite = [&](int key0) { add_nonfinite_pv(o, s, row_t, key0, head.v, p.v_stride_t, T, p.D, bf16); };
+        auto issue_qk = [&](int n) { qk_wgmma<bf16, DP, BM, TK>(s, sQ, wg * 64, sK((it + n) % S)); };
+        auto rescale_o = [&]() {
+#pragma unroll
+            for (int d = 0; d < kDTiles; ++d) {
+                o[d][0] *= f[0], o[d][1] *= f[0];
+                o[d][2] *= f[1], o[d][3] *= f[1];
+            }
+        };
+        // Key tile n's K and V: landed (K) or landed and scanned (V), and the stage's Inf/NaN mark.
+        auto wait_k = [&](int n) { mbar_wait(&full_k[(it + n) % S], uint32_t(((it + n) / S) & 1)); };
+        auto wait_v = [&](int n) {
+            mbar_wait(&ready[(it + n) % S], uint32_t(((it + n) / S) & 1));
+            return bad_tile[(it + n) % S] == it + n + 1;
+        };
+        // Key tile n's S product has completed: its K is free, and after the tile's last, Q too.
+        auto s_done = [&](int n) {
+            mbar_arrive(&free_k[(it + n) % S]);
+            if (q_tma && n + 1 == n_kv) mbar_arrive(&free_q);
+        };
+        if constexpr (Tr::kOverlap) {
+            // The pipeline of the tiled wgmma variant, with the stages' barriers in place of its
+            // copies: n_kv + 1 turns.
+            wait_k(0);
             if (kPP) turn_wait(wg);
-            issue_qk(n);
+            issue_qk(0);
             wg_commit();
             if (kPP) pass();
             wg_wait<0>();
             fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));
-            mbar_arrive(&free_k[n % S]);
-            mask_softmax(n * TK);
-            rescale_o();
-            if (wait_v(n)) scalar_pv_nonfinite(n * TK);
-            uint32_t pa[kNTiles / 2][4];
-            pack_p<bf16>(pa, s);
-            if (kPP) turn_wait(wg);
-            pv_wgmma<bf16, DP, TK>(o, pa, sV(n % S));
-            wg_commit();
-            if (kPP && (!last_wg || n + 1 < n_kv)) pass();
-            wg_wait<0>();
-            fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
-            mbar_arrive(&free_v[n % S]);
+            s_done(0);
+            mask_softmax(0);   // O is still zero: f needs no applying
+            for (int n = 0; n + 1 < n_kv; ++n) {
+                wait_k(n + 1);
+                if (wait_v(n)) scalar_pv_nonfinite(n * TK);
+                uint32_t pa[kNTiles / 2][4];   // P of tile n; read by the wgmma until it completes
+                pack_p<bf16>(pa, s);
+                if (kPP) turn_wait(wg);
+                issue_qk(n + 1);
+                wg_commit();
+                pv_wgmma<bf16, DP, TK>(o, pa, sV((it + n) % S));
+                wg_commit();
+                if (kPP) pass();
+                wg_wait<1>();
+                fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));
+                s_done(n + 1);
+                mask_softmax((n + 1) * TK);
+                wg_wait<0>();
+                fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
+                mbar_arrive(&free_v[(it + n) % S]);
+                rescale_o();
+            }
+            if (wait_v(n_kv - 1)) scalar_pv_nonfinite((n_kv - 1) * TK);
+            {
+                uint32_t pa[kNTiles / 2][4];
+                pack_p<bf16>(pa, s);
+                if (kPP) turn_wait(wg);
+                pv_wgmma<bf16, DP, TK>(o, pa, sV((it + n_kv - 1) % S));
+                wg_commit();
+                if (kPP && (!last_wg || more)) pass();
+                wg_wait<0>();
+                fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
+                mbar_arrive(&free_v[(it + n_kv - 1) % S]);
+            }
+        } else {
+            // One tile at a time (S, softmax, P V; 2 n_kv turns).
+            for (int n = 0; n < n_kv; ++n) {
+                wait_k(n);
+                if (kPP) turn_wait(wg);
+                issue_qk(n);
+                wg_commit();
+                if (kPP) pass();
+                wg_wait<0>();
+                fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));
+                s_done(n);
+                mask_softmax(n * TK);
+                rescale_o();
+                if (wait_v(n)) scalar_pv_nonfinite(n * TK);
+                uint32_t pa[kNTiles / 2][4];
+                pack_p<bf16>(pa, s);
+                if (kPP) turn_wait(wg);
+                pv_wgmma<bf16, DP, TK>(o, pa, sV((it + n) % S));
+                wg_commit();
+                if (kPP && (!last_wg || n + 1 < n_kv || more)) pass();
+                wg_wait<0>();
+                fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
+                mbar_arrive(&free_v[(it + n) % S]);
+            }
         }
-    }
 
-    // Epilogue: l across the quad that shares a row, then normalise and store column pairs.
+        // Epilogue: l across the quad that shares a row, then normalise and store column pairs.
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    }
-    Elem* o_base = static_cast<Elem*>(p.o) + b * p.o_stride_b + int64_t(kvh) * G * p.o_stride_h;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int R = row0 + gid + 8 * r;
-        if (R >= rows_total) continue;
-        const float inv = 1.f / l[r];
-        Elem* dst = o_base + int64_t(row_t[r]) * p.o_stride_t + int64_t(R - row_t[r] * G) * p.o_stride_h;
-#pragma unroll
-        for (int d = 0; d < kDTiles; ++d) {
-            const int c = d * 8 + 2 * tig;
-            if (c < p.D) store_pair(dst + c, o[d][2 * r] * inv, o[d][2 * r + 1] * inv, bf16);
+        for (int r = 0; r < 2; ++r) {
+            l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+            l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
         }
+        Elem* o_base = static_cast<Elem*>(p.o) + w.b * p.o_stride_b + int64_t(w.kvh) * G * p.o_stride_h;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int R = row0 + gid + 8 * r;
+            if (R >= rows_total) continue;
+            const float inv = 1.f / l[r];
+            Elem* dst = o_base + int64_t(row_t[r]) * p.o_stride_t + int64_t(R - row_t[r] * G) * p.o_stride_h;
+#pragma unroll
+            for (int d = 0; d < kDTiles; ++d) {
+                const int c = d * 8 + 2 * tig;
+                if (c < p.D) store_pair(dst + c, o[d][2 * r] * inv, o[d][2 * r + 1] * inv, bf16);
+            }
+        }
+        it += n_kv;
     }
 }
 
-// A 4-D tensor map over K or V (dims D, Hkv, T, B; element strides of the last three), boxes of
-// 64 x 1 x `keys` x 1 in the 128-byte swizzle. cuTensorMapEncodeTiled comes through the runtime's
-// driver entry point, so the library links no libcuda.
-inline cudaError_t ws_tensor_map(CUtensorMap* map, const void* data, const GqaParams& p, int64_t stride_h,
-                                 int64_t stride_t, int64_t stride_b, int keys, bool bf16) {
+// A 4-D tensor map over q, k or v (dims D, heads, T, B; element strides of the last three), boxes
+// of 64 x box_heads x box_steps x 1 in the 128-byte swizzle. cuTensorMapEncodeTiled comes through
+// the runtime's driver entry point, so the library links no libcuda.
+inline cudaError_t ws_tensor_map(CUtensorMap* map, const void* data, const GqaParams& p, int heads, int64_t stride_h,
+                                 int64_t stride_t, int64_t stride_b, int box_heads, int box_steps, bool bf16) {
     static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
     if (encode == nullptr) {
         cudaDriverEntryPointQueryResult found{};
@@ -368,9 +415,9 @@ inline cudaError_t ws_tensor_map(CUtensorMap* map, const void* data, const GqaPa
         if (found != cudaDriverEntryPointSuccess || fn == nullptr) return cudaErrorNotSupported;
         encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
     }
-    const cuuint64_t dims[4] = {cuuint64_t(p.D), cuuint64_t(p.Hkv), cuuint64_t(p.T), cuuint64_t(p.B)};
+    const cuuint64_t dims[4] = {cuuint64_t(p.D), cuuint64_t(heads), cuuint64_t(p.T), cuuint64_t(p.B)};
     const cuuint64_t strides[3] = {cuuint64_t(stride_h) * 2, cuuint64_t(stride_t) * 2, cuuint64_t(stride_b) * 2};
-    const cuuint32_t box[4] = {64, 1, cuuint32_t(keys), 1};
+    const cuuint32_t box[4] = {64, cuuint32_t(box_heads), cuuint32_t(box_steps), 1};
     const cuuint32_t steps[4] = {1, 1, 1, 1};
     const CUresult res = encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
                                 const_cast<void*>(data), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
@@ -378,8 +425,9 @@ inline cudaError_t ws_tensor_map(CUtensorMap* map, const void* data, const GqaPa
     return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorNotSupported;
 }
 
-// Launches the warp-specialised kernel over every 128-row tile (16-byte-aligned rows only).
-// Returns cudaErrorNotSupported, launching nothing, for K and V layouts no tensor map describes.
+// Launches the warp-specialised kernel over every tile of kBlockM packed rows (16-byte-aligned rows
+// only), one CTA per SM at most. Returns cudaErrorNotSupported, launching nothing, for K and V
+// layouts no tensor map describes; Q goes through a tensor map when one describes its tiles.
 template <int kDtype, int DP>
 cudaError_t launch_ws(const GqaParams& p, cudaStream_t stream, int dev) {
     using Tr = WsTraits<DP>;
@@ -389,13 +437,18 @@ cudaError_t launch_ws(const GqaParams& p, cudaStream_t stream, int dev) {
     if (err != cudaSuccess) return err;
     const bool bf16 = kDtype == kGqaBFloat16;
     WsMaps maps;
-    err = ws_tensor_map(&maps.k, p.k, p, p.k_stride_h, p.k_stride_t, p.k_stride_b, Tr::kKeys, bf16);
-    if (err == cudaSuccess) err = ws_tensor_map(&maps.v, p.v, p, p.v_stride_h, p.v_stride_t, p.v_stride_b, Tr::kKeys, bf16);
+    err = ws_tensor_map(&maps.k, p.k, p, p.Hkv, p.k_stride_h, p.k_stride_t, p.k_stride_b, 1, Tr::kKeys, bf16);
+    if (err == cudaSuccess) err = ws_tensor_map(&maps.v, p.v, p, p.Hkv, p.v_stride_h, p.v_stride_t, p.v_stride_b, 1, Tr::kKeys, bf16);
     if (err != cudaSuccess) return err;
+    // A tile's packed rows are whole time steps (G heads each) when G divides kBlockM.
+    const bool q_tma = Tr::kBlockM % p.group == 0 &&
+                       ws_tensor_map(&maps.q, p.q, p, p.Hq, p.q_stride_h, p.q_stride_t, p.q_stride_b, p.group,
+                                     Tr::kBlockM / p.group, bf16) == cudaSuccess;
     TileDivs dv;
-    const int64_t blocks = packed_tile_grid(p, Tr::kBlockM, dv);
-    if (blocks < 0) return cudaErrorInvalidConfiguration;
-    kernel<<<unsigned(blocks), Tr::kThreads, Tr::kSmemBytes, stream>>>(maps, p, dv);
+    const int64_t tiles = packed_tile_grid(p, Tr::kBlockM, dv);
+    if (tiles < 0) return cudaErrorInvalidConfiguration;
+    const int64_t ctas = tiles < sm_count(dev) ? tiles : sm_count(dev);
+    kernel<<<unsigned(ctas), Tr::kThreads, Tr::kSmemBytes, stream>>>(maps, p, dv, int(tiles), q_tma ? 1 : 0);
     return cudaGetLastError();
 }
 
