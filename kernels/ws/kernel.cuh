@@ -181,7 +181,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
                         mbar_arrive_expect(&full_q, uint32_t(Tr::kQBytes));
 #pragma unroll
                         for (int blk = 0; blk < DP / 64; ++blk)
-                            tma_load_4d(sQ + blk * BM * 64, &maps.q, &full_q, blk * 64, w.kvh * G, w.r0 / G, w.b);
+                            tma_load_4d(sQ + blk * BM * 64, &maps.q, &full_q, blk * 64, w.kvh * G, w.t_lo, w.b);
                     }
                     for (int n = 0; n < w.n_kv; ++n) {
                         if (n + 1 < w.n_kv) load(&maps.k, full_k, free_k, false, it + n + 1, n + 1, w);
