@@ -81,6 +81,8 @@ template <int DP> struct WsTraits {
     // S of tile n + 1 beside P V of tile n. At width 256 (O: 128 registers) a few values spill
     // around the exact non-finite step and are reloaded once a tile.
     static constexpr bool kOverlap = true;
+    // One CTA per SM walking tiles (false: a CTA per tile, the same kernel taking one tile each).
+    static constexpr bool kPersistent = true;
     static constexpr int kTileBytes = kKeys * DP * 2;   // one K or V tile
     static constexpr int kQBytes = kBlockM * DP * 2;
     static constexpr size_t kSmemBytes = 1024 + size_t(kQBytes) + size_t(2) * kStages * kTileBytes;
@@ -447,7 +449,7 @@ cudaError_t launch_ws(const GqaParams& p, cudaStream_t stream, int dev) {
     TileDivs dv;
     const int64_t tiles = packed_tile_grid(p, Tr::kBlockM, dv);
     if (tiles < 0) return cudaErrorInvalidConfiguration;
-    const int64_t ctas = tiles < sm_count(dev) ? tiles : sm_count(dev);
+    const int64_t ctas = Tr::kPersistent && tiles > sm_count(dev) ? sm_count(dev) : tiles;
     kernel<<<unsigned(ctas), Tr::kThreads, Tr::kSmemBytes, stream>>>(maps, p, dv, int(tiles), q_tma ? 1 : 0);
     return cudaGetLastError();
 }
