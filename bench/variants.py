@@ -1,0 +1,117 @@
+"""Same-run timings of kernel variants that differ by a compile-time constant (a WsTraits flag, a
+stage count): each variant is a copy of this checkout with text replaced in kernels/, built and
+timed in its own process, so every variant builds its own units.
+
+    python3 bench/variants.py --out variants.json [--only NAME,...] [--timeout 300]
+
+A variant whose replacement text is not found fails before anything runs. Times are medians of
+CUDA-event timings of back-to-back calls (bf16; the best of 3 repeats of 30 calls), with a max-abs
+error against SDPA in fp32 on the small shapes, so a broken variant shows; the benchmark
+(bench_gqa.py) and the GPU tests remain the measure of a variant that lands.
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WS = "kernels/ws/kernel.cuh"
+
+# name -> [(file, old text, new text)]; "base" is the checkout as it is.
+VARIANTS = {
+    "base": [],
+    "two_consumers_at_64": [(WS, "kConsumers = DP == 64 ? 3 : 2;", "kConsumers = DP == 64 ? 2 : 2;")],
+    "not_persistent": [(WS, "kPersistent = true;", "kPersistent = false;")],
+    "no_overlap_at_256": [(WS, "kOverlap = true;", "kOverlap = DP <= 128;")],
+    "two_stages_at_128": [(WS, "kStages = DP == 64 ? 4 : DP == 128 ? 3 : 2;", "kStages = DP == 64 ? 4 : 2;")],
+    "no_turns": [(WS, "kPingPong = true;", "kPingPong = false;")],
+}
+
+SHAPES = [(1, 1000, 6, 2, 64), (1, 1024, 8, 2, 128), (1, 777, 4, 1, 256),
+          (4, 1024, 32, 8, 128), (1, 8192, 32, 8, 128), (16, 2048, 32, 8, 64),
+          (1, 32768, 32, 8, 128), (2, 4096, 16, 4, 256)]
+
+TIMER = r"""
+import json, sys, torch
+import gqa_module as g
+torch.manual_seed(0)
+out = []
+for B, T, Hq, Hkv, D in json.loads(sys.argv[1]):
+    q = torch.randn(B, T, Hq, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, T, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    o = g.causal_gqa_attention(q, k, v)
+    err = None
+    if B * T * Hq <= 32768:
+        G = Hq // Hkv
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.float().transpose(1, 2), k.float().repeat_interleave(G, 2).transpose(1, 2),
+            v.float().repeat_interleave(G, 2).transpose(1, 2), is_causal=True).transpose(1, 2)
+        err = (o.float() - ref).abs().max().item()
+    times = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+        start.record()
+        for _ in range(30):
+            g.causal_gqa_attention(q, k, v)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 30)
+    ms = min(times)
+    out.append({"shape": [B, T, Hq, Hkv, D], "plan": g.plan(q, k, v), "ms": ms,
+                "tflops": 4 * B * Hq * T * T * D / 2 / (ms * 1e-3) / 1e12, "max_abs_err": err})
+    print(json.dumps(out[-1]), flush=True)
+print("RESULT " + json.dumps(out))
+"""
+
+
+def make_copy(name, edits, root):
+    """A copy of the checkout (no .git, no results) with the variant's replacements applied."""
+    dst = os.path.join(root, name)
+    shutil.copytree(HERE, dst, ignore=shutil.ignore_patterns(".git", "results", "__pycache__", ".kb"))
+    for path, old, new in edits:
+        full = os.path.join(dst, path)
+        with open(full) as fh:
+            text = fh.read()
+        if text.count(old) != 1:
+            raise SystemExit("variant %s: %r found %d times in %s (want once)" % (name, old, text.count(old), path))
+        with open(full, "w") as fh:
+            fh.write(text.replace(old, new))
+    return dst
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="where to write the JSON")
+    parser.add_argument("--only", help="comma-separated variant names")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per variant (build and timing)")
+    args = parser.parse_args()
+    names = args.only.split(",") if args.only else list(VARIANTS)
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit("unknown variants: %s (known: %s)" % (unknown, list(VARIANTS)))
+    root = tempfile.mkdtemp(prefix="gqa-variants-")
+    copies = {name: make_copy(name, VARIANTS[name], root) for name in names}   # every edit checked first
+    results = {}
+    for name in names:
+        print("== %s" % name, flush=True)
+        try:
+            run = subprocess.run([sys.executable, "-c", TIMER, json.dumps(SHAPES)], cwd=copies[name],
+                                 capture_output=True, text=True, timeout=args.timeout)
+            lines = [l for l in run.stdout.splitlines() if l.startswith("RESULT ")]
+            results[name] = json.loads(lines[-1][7:]) if run.returncode == 0 and lines else {
+                "error": "exit %d: %s" % (run.returncode, (run.stdout + run.stderr)[-3000:])}
+        except subprocess.TimeoutExpired as exc:
+            results[name] = {"error": "timed out after %d s: %s" % (args.timeout, str(exc.stdout)[-2000:])}
+        print(json.dumps(results[name])[:2000], flush=True)
+    with open(args.out, "w") as fh:
+        json.dump({"variants": {n: VARIANTS[n] for n in names}, "results": results}, fh, indent=1)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
