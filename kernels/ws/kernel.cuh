@@ -242,8 +242,8 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
     // very last pass (nobody waits for it), so every barrier ends balanced.
     constexpr bool kPP = Tr::kPingPong;
     const bool last_wg = wg == kC - 1;
-    auto pass = [&]() { turn_pass<kC>(wg); };
-    if (kPP && last_wg) pass();
+    auto hand_on = [&]() { turn_pass<kC>(wg); };
+    if (kPP && last_wg) hand_on();
     int it = 0, tc = 0;   // the CTA's K/V step at this tile's first K/V tile; tiles done
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, ++tc) {
         const WsTile w = ws_tile<BM, TK>(tile, p, dv);
@@ -317,7 +317,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
             if (kPP) turn_wait(wg);
             issue_qk(0);
             wg_commit();
-            if (kPP) pass();
+            if (kPP) hand_on();
             wg_wait<0>();
             fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));
             s_done(0);
@@ -332,7 +332,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
                 wg_commit();
                 pv_wgmma<bf16, DP, TK>(o, pa, sV((it + n) % S));
                 wg_commit();
-                if (kPP) pass();
+                if (kPP) hand_on();
                 wg_wait<1>();
                 fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));
                 s_done(n + 1);
@@ -349,7 +349,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
                 if (kPP) turn_wait(wg);
                 pv_wgmma<bf16, DP, TK>(o, pa, sV((it + n_kv - 1) % S));
                 wg_commit();
-                if (kPP && (!last_wg || more)) pass();
+                if (kPP && (!last_wg || more)) hand_on();
                 wg_wait<0>();
                 fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
                 mbar_arrive(&free_v[(it + n_kv - 1) % S]);
@@ -361,7 +361,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
                 if (kPP) turn_wait(wg);
                 issue_qk(n);
                 wg_commit();
-                if (kPP) pass();
+                if (kPP) hand_on();
                 wg_wait<0>();
                 fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));
                 s_done(n);
@@ -373,7 +373,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
                 if (kPP) turn_wait(wg);
                 pv_wgmma<bf16, DP, TK>(o, pa, sV((it + n) % S));
                 wg_commit();
-                if (kPP && (!last_wg || n + 1 < n_kv || more)) pass();
+                if (kPP && (!last_wg || n + 1 < n_kv || more)) hand_on();
                 wg_wait<0>();
                 fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
                 mbar_arrive(&free_v[(it + n) % S]);
