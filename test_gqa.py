@@ -935,6 +935,31 @@ def test_gpu_wgmma_kv_heads_broadcast_by_expand(dtype, D):
     check_half(call_poisoned(q, k, v), q, k, v, "kv heads broadcast")
 
 
+@needs_gpu
+@pytest.mark.parametrize("dtype, D, group, packed", [(torch.bfloat16, 128, 4, True), (torch.float16, 128, 3, False),
+                                                     (torch.bfloat16, 64, 3, False), (torch.float16, 64, 5, True),
+                                                     (torch.bfloat16, 256, 2, False)])
+def test_gpu_wgmma_many_tiles_per_cta(dtype, D, group, packed):
+    """More CTA tiles than the GPU has SMs, so each CTA of the warp-specialised kernel walks several
+    (its ring of stages and its turns running on across them), with groups that divide the tile's
+    packed rows (Q loaded ahead through a tensor map) and groups that do not (Q copied by the
+    consumers), q, k and v as views of one packed tensor or not: every element within check_half's
+    bound of the float64 reference, none left unwritten."""
+    B, T, Hkv = 2, 2100, 4
+    Hq = Hkv * group
+    if packed:
+        qkv = torch.randn(B, T, Hq + 2 * Hkv, D, device="cuda").to(dtype)
+        q, k, v = qkv[:, :, :Hq], qkv[:, :, Hq:Hq + Hkv], qkv[:, :, Hq + Hkv:]
+    else:
+        q, k, v = make_qkv(B, T, Hq, Hkv, D, device="cuda", dtype=dtype)
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    assert gqa_module.plan(q, k, v) == "wgmma/%s/d%d" % (name, D)
+    rows_per_cta = 192 if D == 64 else 128
+    tiles = B * Hkv * -(-T * group // rows_per_cta)
+    assert tiles > torch.cuda.get_device_properties(0).multi_processor_count
+    check_half(call_poisoned(q, k, v), q, k, v, "many tiles per CTA, group %d" % group)
+
+
 ACCURACY_SHAPES = [(2, 1024, 32, 8, 128), (1, 2048, 16, 4, 64), (2, 1536, 12, 4, 96)]
 
 
