@@ -19,7 +19,7 @@ template <bool kBf16_, int DP_> struct WgProducts {
     static __device__ __forceinline__ void load(uint16_t* tile, const uint16_t* base, int64_t b, int row0, int head,
                                                 int heads, int T) {
         constexpr int kChunks = DP / 8, kRowStep = kThreads / kChunks;
-        static_assert(kThreads % kChunks == 0 && kTile % kRowStep == 0, "whole rows a pass");
+        static_assert(kThreads % kChunks == 0 && kTile % kRowStep == 0, "whole rows each round");
         unsigned char* dst = reinterpret_cast<unsigned char*>(tile);
         const int c = 8 * (int(threadIdx.x) % kChunks), r0 = int(threadIdx.x) / kChunks;
         const int64_t step = int64_t(kRowStep) * heads * DP;
