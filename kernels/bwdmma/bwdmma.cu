@@ -25,28 +25,21 @@ template <bool kBf16_, int DP_> struct MmaProducts {
         }
     }
     static __device__ __forceinline__ void landed() {}
-    // s += A B^T for the warp's 16 rows of tile A and the 64 rows of tile B.
-    static __device__ __forceinline__ void qk(float (&s)[1][kTile / 8][4], const uint16_t* a, const uint16_t* b, int warp,
-                                              int lane) {
+    // s = A B^T for the warp's 16 rows of tile A and the 64 rows of tile B (synchronous: the
+    // wgmma policy's issue, wait and settle are one step here).
+    static __device__ __forceinline__ void qk_issue(float (&s)[1][kTile / 8][4], const uint16_t* a, const uint16_t* b,
+                                                    int warp, int lane) {
+#pragma unroll
+        for (int n = 0; n < kTile / 8; ++n) s[0][n][0] = s[0][n][1] = s[0][n][2] = s[0][n][3] = 0.f;
         qk_16bit<kBf16, kTile, DP, LD, 1>(s, a + 16 * warp * LD, b, DP / 16, lane);
     }
-    static __device__ __forceinline__ void qk2(float (&s)[1][kTile / 8][4], const uint16_t* a, const uint16_t* b,
-                                               float (&s2)[1][kTile / 8][4], const uint16_t* a2, const uint16_t* b2,
-                                               int warp, int lane) {
-        qk(s, a, b, warp, lane);
-        qk(s2, a2, b2, warp, lane);
-    }
     // o += P B for the warp's 16 rows, P the fp32 s rounded to 16 bits, B a tile read N-major.
-    static __device__ __forceinline__ void pv(float (&o)[1][DP / 8][4], const float (&s)[1][kTile / 8][4], const uint16_t* b,
-                                              int lane) {
+    static __device__ __forceinline__ void pv_issue(float (&o)[1][DP / 8][4], uint32_t (&)[kTile / 16][4],
+                                                    const float (&s)[1][kTile / 8][4], const uint16_t* b, int lane) {
         pv_16bit<kBf16, kTile, DP, LD, 1>(o, s, b, DP / 8, lane);
     }
-    static __device__ __forceinline__ void pv2(float (&o)[1][DP / 8][4], const float (&s)[1][kTile / 8][4], const uint16_t* b,
-                                               float (&o2)[1][DP / 8][4], const float (&s2)[1][kTile / 8][4],
-                                               const uint16_t* b2, int lane) {
-        pv(o, s, b, lane);
-        pv(o2, s2, b2, lane);
-    }
+    template <int N> static __device__ __forceinline__ void wait() {}
+    template <int X> static __device__ __forceinline__ void settle(float (&)[1][X][4]) {}
 };
 
 static_assert(GQA_DTYPE != kGqaFloat32 && (GQA_WIDTH == 64 || GQA_WIDTH == 128), "a unit for fp16 or bf16 at width 64 or 128");

@@ -9,6 +9,9 @@
 //  2. Key tiles (64 keys of one kv head). For every query tile at or after them and every head of
 //     the group: S^T = K Q^T, P^T from lse2, dP^T = V dO^T, dS^T = P^T (dP^T - delta),
 //     dV += P^T dO, dK += dS^T Q.
+// The products go through the policy as issue / wait / settle, so on wgmma the softmax steps of a
+// product's result run while the next product is in flight; only tiles on the diagonal or at the
+// end of the sequence build masks.
 // P and dS are rounded to the input dtype before their products, as in FlashAttention. A masked
 // (future or padding) entry is a hard zero, but a tile product still multiplies it by the values
 // of keys and queries the row does not attend, and 0 * Inf is NaN: so a call whose inputs hold Inf
@@ -29,7 +32,7 @@ constexpr int kThreads = 32 * kWarps;
 // Pol::kAlign: the tiles' alignment, whose slack is added).
 template <class Pol> struct BwdSmem {
     static constexpr int kSlack = Pol::kAlign > 16 ? Pol::kAlign : 0;
-    static constexpr int kDq = 4 * Pol::kTileHalves * 2 + kSlack;                           // Q, dO, K, V
+    static constexpr int kDq = 6 * Pol::kTileHalves * 2 + kSlack;                           // Q, dO, 2 x (K, V)
     static constexpr int kDkdv = 6 * Pol::kTileHalves * 2 + 2 * 2 * kTile * 4 + kSlack;   // K, V, 2 x (Q, dO, lse2, delta)
 };
 
@@ -55,7 +58,11 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
     constexpr int DP = Pol::DP, H = Pol::kTileHalves;
     extern __shared__ __align__(16) uint16_t smem_raw[];
     uint16_t* smem = Pol::aligned(smem_raw);
-    uint16_t *q_tile = smem, *do_tile = smem + H, *k_tile = smem + 2 * H, *v_tile = smem + 3 * H;
+    // Q, dO, then two stages of (K, V): pass 1 alternates K between the first stage's two tiles,
+    // pass 2 alternates whole stages.
+    uint16_t *q_tile = smem, *do_tile = smem + H;
+    auto k_of = [&](int st) { return smem + (2 + 2 * st) * H; };
+    auto v_of = [&](int st) { return smem + (3 + 2 * st) * H; };
 
     if (*p.nonfinite) return;   // the row-wise kernels take this call
     const BwdCta cta = bwd_cta(p.B, p.Hq);
@@ -63,9 +70,14 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
     const int h = cta.head, kv_head = h / p.group, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int qt = (p.T + kTile - 1) / kTile - 1 - cta.tile, q0 = qt * kTile;
     const bool bf16 = kBf16;
+    const uint16_t *k_in = static_cast<const uint16_t*>(p.k), *v_in = static_cast<const uint16_t*>(p.v);
 
     Pol::load(q_tile, static_cast<const uint16_t*>(p.q), b, q0, h, p.Hq, p.T);
     Pol::load(do_tile, static_cast<const uint16_t*>(p.dout), b, q0, h, p.Hq, p.T);
+    cp_async_commit();
+    // Pass 2's first K and V (stage 1, which pass 1 leaves alone), landed by pass 1's first wait.
+    Pol::load(k_of(1), k_in, b, 0, kv_head, p.Hkv, p.T);
+    Pol::load(v_of(1), v_in, b, 0, kv_head, p.Hkv, p.T);
     cp_async_commit();
 
     // delta of this lane's two rows (every lane of a quad computes the same value).
@@ -85,24 +97,28 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
         delta[half] = sum;
     }
 
+    // Only the diagonal tile (kt == qt, which is also the one holding keys past T) masks.
     auto masked = [&](int kt, int n, int e) {
         const int t = q0 + 16 * warp + frag_row(lane, e), j = kt * kTile + frag_col(lane, n, e);
         return j > t || j >= p.T;
     };
 
-    // Pass 1: the rows' maximum and sum, online over the key tiles. K tile kt lands in k_tile
-    // (kt even) or v_tile (kt odd) while the tile before it is in use.
-    auto k_stage = [&](int kt) { return kt & 1 ? v_tile : k_tile; };
-    Pol::load(k_stage(0), static_cast<const uint16_t*>(p.k), b, 0, kv_head, p.Hkv, p.T);
+    // Pass 1: the rows' maximum and sum, online over the key tiles. K tile kt lands in stage 0's
+    // K (kt even) or V tile (kt odd) while the tile before it is in use.
+    auto k_stage = [&](int kt) { return kt & 1 ? v_of(0) : k_of(0); };
+    Pol::load(k_stage(0), k_in, b, 0, kv_head, p.Hkv, p.T);
     cp_async_commit();
     for (int kt = 0; kt <= qt; ++kt) {
-        if (kt < qt) Pol::load(k_stage(kt + 1), static_cast<const uint16_t*>(p.k), b, (kt + 1) * kTile, kv_head, p.Hkv, p.T);
+        if (kt < qt) Pol::load(k_stage(kt + 1), k_in, b, (kt + 1) * kTile, kv_head, p.Hkv, p.T);
         cp_async_commit();    // (empty on the last tile)
         cp_async_wait<1>();   // everything but the tile just issued has landed
         Pol::landed();
         __syncthreads();
-        float s[1][kTile / 8][4] = {};
-        Pol::qk(s, q_tile, k_stage(kt), warp, lane);
+        float s[1][kTile / 8][4];
+        Pol::qk_issue(s, q_tile, k_stage(kt), warp, lane);
+        Pol::template wait<0>();
+        Pol::settle(s);
+        const bool edge = kt == qt;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             float tile_max = -INFINITY;
@@ -110,7 +126,7 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
             for (int n = 0; n < kTile / 8; ++n)
 #pragma unroll
                 for (int e = 2 * half; e < 2 * half + 2; ++e) {
-                    s[0][n][e] = masked(kt, n, e) ? -INFINITY : s[0][n][e] * p.scale_log2;
+                    s[0][n][e] = edge && masked(kt, n, e) ? -INFINITY : s[0][n][e] * p.scale_log2;
                     tile_max = fmaxf(tile_max, s[0][n][e]);
                 }
             tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
@@ -127,31 +143,45 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
             l[half] = (m[half] == -INFINITY ? 0.f : l[half] * fast_exp2(m[half] - m_new)) + sum;
             m[half] = m_new;
         }
-        __syncthreads();   // this stage takes tile kt + 2, issued at the top of the next iteration
+        __syncthreads();   // this tile takes tile kt + 2, issued at the top of the next iteration
     }
 #pragma unroll
     for (int half = 0; half < 2; ++half) lse2[half] = m[half] + log2f(l[half]);
 
-    // Pass 2: dQ.
+    // Pass 2: dQ. Key tile kt sits in stage (kt + 1) % 2; the next one loads during this one.
     float dq[1][DP / 8][4] = {};
     for (int kt = 0; kt <= qt; ++kt) {
-        Pol::load(k_tile, static_cast<const uint16_t*>(p.k), b, kt * kTile, kv_head, p.Hkv, p.T);
-        Pol::load(v_tile, static_cast<const uint16_t*>(p.v), b, kt * kTile, kv_head, p.Hkv, p.T);
-        cp_async_commit();
-        cp_async_wait<0>();
+        const int st = (kt + 1) & 1;
+        if (kt < qt) {
+            Pol::load(k_of(st ^ 1), k_in, b, (kt + 1) * kTile, kv_head, p.Hkv, p.T);
+            Pol::load(v_of(st ^ 1), v_in, b, (kt + 1) * kTile, kv_head, p.Hkv, p.T);
+        }
+        cp_async_commit();    // (empty on the last tile)
+        cp_async_wait<1>();
         Pol::landed();
         __syncthreads();
-        float s[1][kTile / 8][4] = {}, dp[1][kTile / 8][4] = {};
-        Pol::qk2(s, q_tile, k_tile, dp, do_tile, v_tile, warp, lane);
+        float s[1][kTile / 8][4], dp[1][kTile / 8][4];
+        Pol::qk_issue(s, q_tile, k_of(st), warp, lane);
+        Pol::qk_issue(dp, do_tile, v_of(st), warp, lane);
+        Pol::template wait<1>();   // S; dP still running
+        Pol::settle(s);
+        const bool edge = kt == qt;
 #pragma unroll
         for (int n = 0; n < kTile / 8; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float prob = masked(kt, n, e) ? 0.f : fast_exp2(s[0][n][e] * p.scale_log2 - lse2[e >> 1]);
-                s[0][n][e] = prob * (dp[0][n][e] - delta[e >> 1]);   // dS
-            }
-        Pol::pv(dq, s, k_tile, lane);
-        __syncthreads();
+            for (int e = 0; e < 4; ++e)
+                s[0][n][e] = edge && masked(kt, n, e) ? 0.f : fast_exp2(s[0][n][e] * p.scale_log2 - lse2[e >> 1]);   // P
+        Pol::template wait<0>();
+        Pol::settle(dp);
+#pragma unroll
+        for (int n = 0; n < kTile / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[0][n][e] *= dp[0][n][e] - delta[e >> 1];   // dS
+        uint32_t pa[kTile / 16][4];
+        Pol::pv_issue(dq, pa, s, k_of(st), lane);
+        Pol::template wait<0>();
+        Pol::settle(dq);
+        __syncthreads();   // this stage takes tile kt + 2, issued at the top of the next iteration
     }
 
 #pragma unroll
@@ -221,19 +251,37 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdPara
         __syncthreads();
         const float* lse2_t = lse2_s(st);
         const float* delta_t = delta_s(st);
-        float s[1][kTile / 8][4] = {}, dp[1][kTile / 8][4] = {};
-        Pol::qk2(s, k_tile, q_tile(st), dp, v_tile, do_tile(st), warp, lane);   // S^T, dP^T
+        float s[1][kTile / 8][4], dp[1][kTile / 8][4];
+        Pol::qk_issue(s, k_tile, q_tile(st), warp, lane);     // S^T
+        Pol::qk_issue(dp, v_tile, do_tile(st), warp, lane);   // dP^T
+        // Masks only where a query can precede a key (the diagonal tile) or a row or key is past T.
+        const bool edge = q0 == k0 || q0 + kTile > p.T;
+        const int j_base = k0 + 16 * warp;
+        Pol::template wait<1>();   // S^T; dP^T still running
+        Pol::settle(s);
 #pragma unroll
         for (int n = 0; n < kTile / 8; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int j = k0 + 16 * warp + frag_row(lane, e), c = frag_col(lane, n, e), t = q0 + c;
-                const bool masked = t < j || t >= p.T || j >= p.T;
-                const float prob = masked ? 0.f : fast_exp2(s[0][n][e] * p.scale_log2 - lse2_t[c]);
-                s[0][n][e] = prob;                                  // P^T
-                dp[0][n][e] = prob * (dp[0][n][e] - delta_t[c]);    // dS^T
+                const int j = j_base + frag_row(lane, e), c = frag_col(lane, n, e), t = q0 + c;
+                const bool masked = edge && (t < j || t >= p.T || j >= p.T);
+                s[0][n][e] = masked ? 0.f : fast_exp2(s[0][n][e] * p.scale_log2 - lse2_t[c]);   // P^T
             }
-        Pol::pv2(dv, s, do_tile(st), dk, dp, q_tile(st), lane);
+        uint32_t pa[kTile / 16][4], pa2[kTile / 16][4];
+        Pol::pv_issue(dv, pa, s, do_tile(st), lane);   // dV += P^T dO
+        Pol::template wait<1>();   // dP^T; dV still running
+        Pol::settle(dp);
+#pragma unroll
+        for (int n = 0; n < kTile / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int c = frag_col(lane, n, e);
+                dp[0][n][e] = s[0][n][e] * (dp[0][n][e] - delta_t[c]);   // dS^T
+            }
+        Pol::pv_issue(dk, pa2, dp, q_tile(st), lane);   // dK += dS^T Q
+        Pol::template wait<0>();
+        Pol::settle(dv);
+        Pol::settle(dk);
         __syncthreads();   // stage st takes step i + 2, issued at the top of the next iteration
     }
 

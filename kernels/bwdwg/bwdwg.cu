@@ -14,60 +14,44 @@ template <bool kBf16_, int DP_> struct WgProducts {
         return reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(smem) + kAlign - 1) / kAlign * kAlign);
     }
     // Rows [row0, row0 + 64) of one head of a contiguous [B, T, H, DP] tensor into a swizzled tile
-    // (sw128_offset), 16 bytes a copy; rows at or past T are zeros.
+    // (sw128_offset), 16 bytes a copy; rows at or past T are zeros. A thread copies one 16-byte
+    // column of every kRowStep-th row: one address computation, then a constant step.
     static __device__ __forceinline__ void load(uint16_t* tile, const uint16_t* base, int64_t b, int row0, int head,
                                                 int heads, int T) {
-        constexpr int kChunks = DP / 8;   // 16-byte pieces per row
+        constexpr int kChunks = DP / 8, kRowStep = kThreads / kChunks;
+        static_assert(kThreads % kChunks == 0 && kTile % kRowStep == 0, "whole rows each round");
         unsigned char* dst = reinterpret_cast<unsigned char*>(tile);
-        for (int i = threadIdx.x; i < kTile * kChunks; i += kThreads) {
-            const int r = i / kChunks, c = 8 * (i % kChunks);
-            const int t = row0 + r;
-            const bool valid = t < T;
-            const uint16_t* src = base + ((b * T + (valid ? t : 0)) * heads + head) * int64_t(DP) + c;
-            cp_async16(dst + sw128_offset(r, c, kTile), src, valid ? 16 : 0);
+        const int c = 8 * (int(threadIdx.x) % kChunks), r0 = int(threadIdx.x) / kChunks;
+        const int64_t step = int64_t(kRowStep) * heads * DP;
+        const uint16_t* src = base + ((b * T + row0 + r0) * heads + head) * int64_t(DP) + c;
+#pragma unroll
+        for (int k = 0; k < kTile / kRowStep; ++k) {
+            const int r = r0 + k * kRowStep;
+            const bool valid = row0 + r < T;
+            cp_async16(dst + sw128_offset(r, c, kTile), valid ? src + k * step : base, valid ? 16 : 0);
         }
     }
     // This thread's copies, before the barrier after which the warpgroup's products read them.
     static __device__ __forceinline__ void landed() { fence_async_proxy(); }
-    // s = A B^T for the warpgroup's 64 rows of tile A (each warp's 16 in its s) and tile B's 64.
-    static __device__ __forceinline__ void qk(float (&s)[1][kTile / 8][4], const uint16_t* a, const uint16_t* b, int, int) {
+    // Issues s = A B^T for the warpgroup's 64 rows of tile A (each warp's 16 in its s) and tile
+    // B's 64, as one commit group: s is valid after the matching wait and settle.
+    static __device__ __forceinline__ void qk_issue(float (&s)[1][kTile / 8][4], const uint16_t* a, const uint16_t* b, int, int) {
         qk_wgmma<kBf16, DP, kTile, kTile>(s[0], a, 0, b);
         wg_commit();
-        wg_wait<0>();
-        fence_regs(reinterpret_cast<float(&)[kTile / 2]>(s));
     }
-    static __device__ __forceinline__ void qk2(float (&s)[1][kTile / 8][4], const uint16_t* a, const uint16_t* b,
-                                               float (&s2)[1][kTile / 8][4], const uint16_t* a2, const uint16_t* b2, int,
-                                               int) {
-        qk_wgmma<kBf16, DP, kTile, kTile>(s[0], a, 0, b);
-        qk_wgmma<kBf16, DP, kTile, kTile>(s2[0], a2, 0, b2);
-        wg_commit();
-        wg_wait<0>();
-        fence_regs(reinterpret_cast<float(&)[kTile / 2]>(s));
-        fence_regs(reinterpret_cast<float(&)[kTile / 2]>(s2));
-    }
-    // o += P B, P the fp32 s rounded to 16 bits (the A operand from registers).
-    static __device__ __forceinline__ void pv(float (&o)[1][DP / 8][4], const float (&s)[1][kTile / 8][4], const uint16_t* b,
-                                              int) {
-        uint32_t pa[kTile / 16][4];
+    // Issues o += P B, P the fp32 s rounded to 16 bits into pa (the A operand from registers), as
+    // one commit group: neither o nor pa may be touched before the matching wait.
+    static __device__ __forceinline__ void pv_issue(float (&o)[1][DP / 8][4], uint32_t (&pa)[kTile / 16][4],
+                                                    const float (&s)[1][kTile / 8][4], const uint16_t* b, int) {
         pack_p<kBf16>(pa, s[0]);
         pv_wgmma<kBf16, DP, kTile>(o[0], pa, b);
         wg_commit();
-        wg_wait<0>();
-        fence_regs(reinterpret_cast<float(&)[DP / 2]>(o));
     }
-    static __device__ __forceinline__ void pv2(float (&o)[1][DP / 8][4], const float (&s)[1][kTile / 8][4], const uint16_t* b,
-                                               float (&o2)[1][DP / 8][4], const float (&s2)[1][kTile / 8][4],
-                                               const uint16_t* b2, int) {
-        uint32_t pa[kTile / 16][4], pa2[kTile / 16][4];
-        pack_p<kBf16>(pa, s[0]);
-        pack_p<kBf16>(pa2, s2[0]);
-        pv_wgmma<kBf16, DP, kTile>(o[0], pa, b);
-        pv_wgmma<kBf16, DP, kTile>(o2[0], pa2, b2);
-        wg_commit();
-        wg_wait<0>();
-        fence_regs(reinterpret_cast<float(&)[DP / 2]>(o));
-        fence_regs(reinterpret_cast<float(&)[DP / 2]>(o2));
+    // Until at most N issued groups are still running.
+    template <int N> static __device__ __forceinline__ void wait() { wg_wait<N>(); }
+    // An accumulator, after the wait that completed it.
+    template <int X> static __device__ __forceinline__ void settle(float (&r)[1][X][4]) {
+        fence_regs(reinterpret_cast<float(&)[X * 4]>(r));
     }
 };
 
