@@ -1,9 +1,9 @@
 // The backward's wgmma unit (sm_90a): fp16 and bf16 at head_dim 64 and 128, a unit per dtype and
-// width (GQA_DTYPE, GQA_WIDTH). The kernels of bwdmma/kernels.cuh with every tile product on the
-// warpgroup (the CTA's four warps, 64 rows) from 128-byte-swizzled tiles: the forward's qk_wgmma
-// for A B^T, and pack_p with pv_wgmma for P B (B read N-major, as V in the forward).
+// width (GQA_DTYPE, GQA_WIDTH): the row statistics by the dQ kernel of bwdmma/kernels.cuh over
+// this policy (its tile products on the warpgroup, the CTA's four warps, 64 rows, from
+// 128-byte-swizzled tiles), then fused.cuh's kernel for dK, dV and dQ.
 
-#include "bwdmma/kernels.cuh"
+#include "bwdwg/fused.cuh"
 
 namespace {
 
@@ -60,4 +60,8 @@ using Products = WgProducts<GQA_DTYPE == kGqaBFloat16, GQA_WIDTH>;
 
 }  // namespace
 
-GQA_BWD_ENTRY(bwdwg, Products)
+extern "C" int gqa_launch_bwdwg(const GqaBwdParams* p, void* stream) {
+    int dev = 0;
+    const cudaError_t err = cudaGetDevice(&dev);
+    return int(err != cudaSuccess ? err : fused_launch<Products>(*p, static_cast<cudaStream_t>(stream), dev));
+}
