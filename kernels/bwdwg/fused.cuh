@@ -38,12 +38,13 @@ __device__ __forceinline__ void store_release(int* p, int v) {
 }
 
 // Rows [row0, row0 + ROWS) of one head of a contiguous [B, T, H, DP] tensor into a swizzled tile
-// of ROWS rows, by all 256 threads, 16 bytes a copy; rows at or past T are zeros.
-template <int DP, int ROWS>
-__device__ __forceinline__ void fused_load(uint16_t* tile, const uint16_t* base, int64_t b, int row0, int head, int heads,
-                                           int T) {
-    constexpr int kChunks = DP / 8, kRowStep = 256 / kChunks;
-    static_assert(ROWS % kRowStep == 0, "whole rows each round");
+// of ROWS rows (sw128_offset), by THREADS threads, 16 bytes a copy; rows at or past T are zeros. A
+// thread copies one 16-byte column of every kRowStep-th row: one address, then a constant step.
+template <int DP, int ROWS, int THREADS>
+__device__ __forceinline__ void swizzled_load(uint16_t* tile, const uint16_t* base, int64_t b, int row0, int head,
+                                              int heads, int T) {
+    constexpr int kChunks = DP / 8, kRowStep = THREADS / kChunks;
+    static_assert(THREADS % kChunks == 0 && ROWS % kRowStep == 0, "whole rows each round");
     unsigned char* dst = reinterpret_cast<unsigned char*>(tile);
     const int c = 8 * (int(threadIdx.x) % kChunks), r0 = int(threadIdx.x) / kChunks;
     const int64_t step = int64_t(kRowStep) * heads * DP;
@@ -81,16 +82,16 @@ __global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParam
     const int kw0 = k0 + 64 * wg;           // this warpgroup's first key
     const bool bf16 = kBf16;
 
-    fused_load<DP, 128>(sK, static_cast<const uint16_t*>(p.k), b, k0, kvh, p.Hkv, T);
-    fused_load<DP, 128>(sV, static_cast<const uint16_t*>(p.v), b, k0, kvh, p.Hkv, T);
+    swizzled_load<DP, 128, 256>(sK, static_cast<const uint16_t*>(p.k), b, k0, kvh, p.Hkv, T);
+    swizzled_load<DP, 128, 256>(sV, static_cast<const uint16_t*>(p.v), b, k0, kvh, p.Hkv, T);
     cp_async_commit();
     // Step i: query tile n_q - 1 - i / G of head kvh * G + i % G, into stage i % 2.
     auto step_tile = [&](int i) { return n_q - 1 - i / G; };
     auto step_head = [&](int i) { return kvh * G + i % G; };
     auto load_step = [&](int i, int st) {
         const int q0 = step_tile(i) * Tr::kRows, h = step_head(i);
-        fused_load<DP, 64>(sQ(st), static_cast<const uint16_t*>(p.q), b, q0, h, p.Hq, T);
-        fused_load<DP, 64>(sdO(st), static_cast<const uint16_t*>(p.dout), b, q0, h, p.Hq, T);
+        swizzled_load<DP, 64, 256>(sQ(st), static_cast<const uint16_t*>(p.q), b, q0, h, p.Hq, T);
+        swizzled_load<DP, 64, 256>(sdO(st), static_cast<const uint16_t*>(p.dout), b, q0, h, p.Hq, T);
         for (int r = threadIdx.x; r < Tr::kRows; r += Tr::kThreads) {
             const int t = q0 + r;
             const int64_t row = (b * T + (t < T ? t : 0)) * p.Hq + h;
