@@ -1608,7 +1608,8 @@ def test_gpu_backward_fp32_matches_float64(B, T, Hq, Hkv, D):
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("B, T, Hq, Hkv, D", [(2, 1, 8, 2, 64), (1, 65, 4, 1, 40), (2, 1000, 8, 2, 128),
-                                              (1, 300, 4, 4, 256), (1, 4097, 4, 2, 64)])
+                                              (1, 300, 4, 4, 256), (1, 4097, 4, 2, 64), (1, 700, 8, 8, 64),
+                                              (2, 1500, 6, 1, 128)])
 def test_gpu_backward_16bit_within_twice_sdpa(B, T, Hq, Hkv, D, dtype):
     """fp16 and bf16 gradients: norm-relative error against float64 at most 2x that of SDPA's own
     gradients on the same inputs, plus 1e-3."""
@@ -1683,6 +1684,28 @@ def test_gpu_backward_of_views_off_16_bytes(dtype, D, plan):
         err, packed_err = rel_err(got, ref), rel_err(packed, ref)
         print("%s offset %.3g, packed %.3g" % (name, err, packed_err))
         assert err <= (1e-5 if dtype == torch.float32 else 1.5 * packed_err + 1e-4), name
+
+
+@needs_gpu
+def test_gpu_backward_long_sequence_scratch_memory():
+    """(1, 32768, 32, 8, 128) bf16 forward and backward: the memory beyond the inputs, the output
+    and the gradients (the backward's scratch: row statistics, dQ's fp32 sum and its counters) is at
+    most twice the inputs' size, and the gradients are finite."""
+    B, T, Hq, Hkv, D = 1, 32768, 32, 8, 128
+    q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16).requires_grad_(True) for H in (Hq, Hkv, Hkv))
+    grad_out = torch.randn(B, T, Hq, D, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = gqa_module.causal_gqa_attention(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    torch.cuda.synchronize()
+    inputs = sum(t.numel() * t.element_size() for t in (q, k, v))
+    inherent = out.numel() * out.element_size() + sum(g.numel() * g.element_size() for g in grads)
+    extra = torch.cuda.max_memory_allocated() - base - inherent
+    print("scratch %.1f MB, inputs %.1f MB" % (extra / 2**20, inputs / 2**20))
+    assert extra <= 2 * inputs
+    assert all(torch.isfinite(g).all() for g in grads)
 
 
 @needs_gpu

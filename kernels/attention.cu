@@ -164,6 +164,13 @@ const char* gqa_backward_plan(const GqaBwdParams& p) {
     return kind == kBwdRows ? kRows[p.dtype] : backward_unit_name(kind, p.dtype, p.D);
 }
 
+// The wgmma unit sums dQ over its key tiles in fp32 (a row per query row and head, D wide) and
+// orders those sums with a counter per (batch, head, 64-row query tile).
+int64_t gqa_backward_workspace_floats(const GqaBwdParams& p) {
+    if (backward_kind(p) != kBwdWg) return 0;
+    return int64_t(p.B) * p.T * p.Hq * p.D + int64_t(p.B) * p.Hq * ((p.T + 63) / 64);
+}
+
 int gqa_backward(const GqaBwdParams& params, void* stream) {
     if (int64_t(params.B) * params.T * params.Hq == 0) return 0;
     const cudaStream_t s = static_cast<cudaStream_t>(stream);

@@ -52,6 +52,11 @@ struct GqaBwdParams {
     // instead: a tile product multiplies masked zeros by the values of keys and queries the row
     // does not attend, and 0 * Inf is NaN.
     int* nonfinite;
+    // Scratch of the wgmma unit (gqa_backward_workspace_floats; null elsewhere): dQ summed in fp32
+    // over the key tiles, in key-tile order, and per (batch, head, 64-row query tile) how many key
+    // tiles have added to it.
+    float* dq_accum;
+    int* dq_order;
     bool rows_if_nonfinite;   // the row-wise kernels run only when *nonfinite is set
     int B, T, Hq, Hkv, D;
     int group;          // Hq / Hkv
@@ -110,6 +115,8 @@ int gqa_empty_launch(void* out, void* stream);
 int gqa_backward(const GqaBwdParams& params, void* stream);   // dq, dk and dv; 0 or a cudaError_t
 // Which backward a call runs: "bwdmma/<dtype>/d<width>" (tensor cores) or "backward/<dtype>" (row-wise).
 const char* gqa_backward_plan(const GqaBwdParams& params);
+// Floats of scratch the backward needs beyond lse2, delta and the flag (0: none).
+int64_t gqa_backward_workspace_floats(const GqaBwdParams& params);
 // Reads q, k and v once and writes o = q: the memory floor of a call, for benchmarks.
 int gqa_read_floor(const GqaParams& params, void* stream);
 

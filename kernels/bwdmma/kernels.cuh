@@ -52,7 +52,8 @@ __device__ __forceinline__ BwdCta bwd_cta(int B, int heads) {
 }
 
 // Kernel 1: one CTA per (query tile, batch, head); the tiles with the most keys start first.
-template <class Pol>
+// kStats: pass 1 and delta only (lse2 and delta for a kernel that computes dQ itself).
+template <class Pol, bool kStats = false>
 __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams p) {
     constexpr bool kBf16 = Pol::kBf16;
     constexpr int DP = Pol::DP, H = Pol::kTileHalves;
@@ -76,8 +77,10 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
     Pol::load(do_tile, static_cast<const uint16_t*>(p.dout), b, q0, h, p.Hq, p.T);
     cp_async_commit();
     // Pass 2's first K and V (stage 1, which pass 1 leaves alone), landed by pass 1's first wait.
-    Pol::load(k_of(1), k_in, b, 0, kv_head, p.Hkv, p.T);
-    Pol::load(v_of(1), v_in, b, 0, kv_head, p.Hkv, p.T);
+    if (!kStats) {
+        Pol::load(k_of(1), k_in, b, 0, kv_head, p.Hkv, p.T);
+        Pol::load(v_of(1), v_in, b, 0, kv_head, p.Hkv, p.T);
+    }
     cp_async_commit();
 
     // delta of this lane's two rows (every lane of a quad computes the same value).
@@ -150,7 +153,7 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
 
     // Pass 2: dQ. Key tile kt sits in stage (kt + 1) % 2; the next one loads during this one.
     float dq[1][DP / 8][4] = {};
-    for (int kt = 0; kt <= qt; ++kt) {
+    for (int kt = 0; kt <= (kStats ? -1 : qt); ++kt) {
         const int st = (kt + 1) & 1;
         if (kt < qt) {
             Pol::load(k_of(st ^ 1), k_in, b, (kt + 1) * kTile, kv_head, p.Hkv, p.T);
@@ -192,7 +195,8 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
         uint16_t* out = static_cast<uint16_t*>(p.dq) + row * DP;
 #pragma unroll
         for (int n = 0; n < DP / 8; ++n)
-            store_pair(out + frag_col(lane, n, 2 * half), dq[0][n][2 * half] * p.scale, dq[0][n][2 * half + 1] * p.scale, bf16);
+            if (!kStats)
+                store_pair(out + frag_col(lane, n, 2 * half), dq[0][n][2 * half] * p.scale, dq[0][n][2 * half + 1] * p.scale, bf16);
         if ((lane & 3) == 0) {
             p.lse2[row] = lse2[half];
             p.delta[row] = delta[half];

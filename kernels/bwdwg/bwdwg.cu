@@ -1,9 +1,9 @@
 // The backward's wgmma unit (sm_90a): fp16 and bf16 at head_dim 64 and 128, a unit per dtype and
-// width (GQA_DTYPE, GQA_WIDTH). The kernels of bwdmma/kernels.cuh with every tile product on the
-// warpgroup (the CTA's four warps, 64 rows) from 128-byte-swizzled tiles: the forward's qk_wgmma
-// for A B^T, and pack_p with pv_wgmma for P B (B read N-major, as V in the forward).
+// width (GQA_DTYPE, GQA_WIDTH): the row statistics by the dQ kernel of bwdmma/kernels.cuh over
+// this policy (its tile products on the warpgroup, the CTA's four warps, 64 rows, from
+// 128-byte-swizzled tiles), then fused.cuh's kernel for dK, dV and dQ.
 
-#include "bwdmma/kernels.cuh"
+#include "bwdwg/fused.cuh"
 
 namespace {
 
@@ -14,22 +14,10 @@ template <bool kBf16_, int DP_> struct WgProducts {
         return reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(smem) + kAlign - 1) / kAlign * kAlign);
     }
     // Rows [row0, row0 + 64) of one head of a contiguous [B, T, H, DP] tensor into a swizzled tile
-    // (sw128_offset), 16 bytes a copy; rows at or past T are zeros. A thread copies one 16-byte
-    // column of every kRowStep-th row: one address computation, then a constant step.
+    // (sw128_offset) by the CTA's threads; rows at or past T are zeros.
     static __device__ __forceinline__ void load(uint16_t* tile, const uint16_t* base, int64_t b, int row0, int head,
                                                 int heads, int T) {
-        constexpr int kChunks = DP / 8, kRowStep = kThreads / kChunks;
-        static_assert(kThreads % kChunks == 0 && kTile % kRowStep == 0, "whole rows each round");
-        unsigned char* dst = reinterpret_cast<unsigned char*>(tile);
-        const int c = 8 * (int(threadIdx.x) % kChunks), r0 = int(threadIdx.x) / kChunks;
-        const int64_t step = int64_t(kRowStep) * heads * DP;
-        const uint16_t* src = base + ((b * T + row0 + r0) * heads + head) * int64_t(DP) + c;
-#pragma unroll
-        for (int k = 0; k < kTile / kRowStep; ++k) {
-            const int r = r0 + k * kRowStep;
-            const bool valid = row0 + r < T;
-            cp_async16(dst + sw128_offset(r, c, kTile), valid ? src + k * step : base, valid ? 16 : 0);
-        }
+        swizzled_load<DP, kTile, kThreads>(tile, base, b, row0, head, heads, T);
     }
     // This thread's copies, before the barrier after which the warpgroup's products read them.
     static __device__ __forceinline__ void landed() { fence_async_proxy(); }
@@ -60,4 +48,8 @@ using Products = WgProducts<GQA_DTYPE == kGqaBFloat16, GQA_WIDTH>;
 
 }  // namespace
 
-GQA_BWD_ENTRY(bwdwg, Products)
+extern "C" int gqa_launch_bwdwg(const GqaBwdParams* p, void* stream) {
+    int dev = 0;
+    const cudaError_t err = cudaGetDevice(&dev);
+    return int(err != cudaSuccess ? err : fused_launch<Products>(*p, static_cast<cudaStream_t>(stream), dev));
+}

@@ -45,10 +45,11 @@ template <int N> __device__ __forceinline__ void fence_regs(float (&r)[N]) {
 #endif
 #define GQA_ASM_WGMMA_SS_N64(TY) \
         asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
-                     "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n" \
+                     "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %35, %36;\n}\n" \
                      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) \
-                     : "l"(da), "l"(db), "r"(accumulate))
-template <bool kBf16>
+                     : "l"(da), "l"(db), "r"(accumulate), "n"(kTransA), "n"(kTransB))
+// kTransA / kTransB: the operand is stored M- / N-major (rows along K) instead of K-major.
+template <bool kBf16, int kTransA = 0, int kTransB = 0>
 __device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], uint64_t da, uint64_t db, int accumulate) { GQA_WGMMA_BODY(GQA_ASM_WGMMA_SS_N64); }
 #undef GQA_ASM_WGMMA_SS_N64
 #define GQA_ASM_WGMMA_SS_N128(TY) \

@@ -1,0 +1,262 @@
+// The wgmma unit's backward in five tile products a tile pair, dQ summed in a fixed order.
+//  1. The dQ kernel of bwdmma/kernels.cuh with kStats: per query row, lse2 and delta only.
+//  2. One CTA per (128 keys, batch, kv head), two warpgroups of 64 keys. For every 64-row query
+//     tile at or after its keys, the last first, and every head of the group: S^T = K Q^T and
+//     dP^T = V dO^T, P^T from lse2, dS^T = P^T (dP^T - delta), dV += P^T dO, dK += dS^T Q (each
+//     warpgroup its keys), then dS^T to shared memory and dQ's share of these keys = dS K (each
+//     warpgroup 64 of dQ's columns; at width 64 both compute the same and the first adds it).
+//     The share is added to an fp32 sum in global memory in key-tile order: a counter per (batch,
+//     head, query tile) says how many key tiles have added, and a CTA waits for its turn (its key
+//     tile's index). CTAs start in key-tile order, so the one waited for has started; every CTA
+//     takes the query tiles in the same order, so the waits are short once under way.
+//  3. dQ = the sum times 1 / sqrt(D), in the input dtype.
+// Deterministic: every sum runs in a fixed order.
+#ifndef GQA_BWDWG_FUSED_CUH
+#define GQA_BWDWG_FUSED_CUH
+
+#include "bwdmma/kernels.cuh"
+
+namespace {
+
+template <int DP> struct FusedTraits {
+    static constexpr int kKeys = 128;       // keys per CTA, 64 per warpgroup
+    static constexpr int kRows = 64;        // query rows a step
+    static constexpr int kThreads = 256;
+    static constexpr int kKvHalves = kKeys * DP, kRowHalves = kRows * DP, kDsHalves = kKeys * kRows;
+    // K, V, two stages of (Q, dO), dS^T, two stages of (lse2, delta); 1024 of alignment slack.
+    static constexpr int kSmem = 1024 + 2 * (2 * kKvHalves + 4 * kRowHalves + kDsHalves) + 2 * 2 * kRows * 4;
+    static_assert(kSmem <= 227 * 1024, "one CTA's shared memory");
+};
+
+__device__ __forceinline__ int load_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void store_release(int* p, int v) {
+    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
+// Rows [row0, row0 + ROWS) of one head of a contiguous [B, T, H, DP] tensor into a swizzled tile
+// of ROWS rows (sw128_offset), by THREADS threads, 16 bytes a copy; rows at or past T are zeros. A
+// thread copies one 16-byte column of every kRowStep-th row: one address, then a constant step.
+template <int DP, int ROWS, int THREADS>
+__device__ __forceinline__ void swizzled_load(uint16_t* tile, const uint16_t* base, int64_t b, int row0, int head,
+                                              int heads, int T) {
+    constexpr int kChunks = DP / 8, kRowStep = THREADS / kChunks;
+    static_assert(THREADS % kChunks == 0 && ROWS % kRowStep == 0, "whole rows each round");
+    unsigned char* dst = reinterpret_cast<unsigned char*>(tile);
+    const int c = 8 * (int(threadIdx.x) % kChunks), r0 = int(threadIdx.x) / kChunks;
+    const int64_t step = int64_t(kRowStep) * heads * DP;
+    const uint16_t* src = base + ((b * T + row0 + r0) * heads + head) * int64_t(DP) + c;
+#pragma unroll
+    for (int k = 0; k < ROWS / kRowStep; ++k) {
+        const int r = r0 + k * kRowStep;
+        const bool valid = row0 + r < T;
+        cp_async16(dst + sw128_offset(r, c, ROWS), valid ? src + k * step : base, valid ? 16 : 0);
+    }
+}
+
+template <bool kBf16, int DP>
+__global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParams p) {
+    using Tr = FusedTraits<DP>;
+    if (*p.nonfinite) return;   // the row-wise kernels take this call
+    extern __shared__ __align__(16) unsigned char fused_smem[];
+    uint16_t* sK = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(fused_smem) + 1023) / 1024 * 1024);
+    uint16_t* sV = sK + Tr::kKvHalves;
+    auto sQ = [&](int st) { return sV + Tr::kKvHalves + st * 2 * Tr::kRowHalves; };
+    auto sdO = [&](int st) { return sQ(st) + Tr::kRowHalves; };
+    uint16_t* sdS = sQ(2);   // dS^T: [128 keys][64 query rows], swizzled
+    auto lse2_s = [&](int st) { return reinterpret_cast<float*>(sdS + Tr::kDsHalves) + st * 2 * Tr::kRows; };
+    auto delta_s = [&](int st) { return lse2_s(st) + Tr::kRows; };
+
+    // Key tile kt of (b, kv head), key tiles ascending with blockIdx.
+    const int64_t bh_count = int64_t(p.B) * p.Hkv;
+    const int kt = int(blockIdx.x / bh_count), bh = int(blockIdx.x % bh_count);
+    const int64_t b = bh / p.Hkv;
+    const int kvh = bh % p.Hkv, k0 = kt * Tr::kKeys, G = p.group, T = p.T;
+    const int n_q = (T + Tr::kRows - 1) / Tr::kRows;
+    const int steps = (n_q - 2 * kt) * G;   // query tiles 2 kt .. n_q - 1 see a key of this CTA
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4, cw = warp % 4;
+    const int gid = lane >> 2, tig = lane & 3;
+    const int kw0 = k0 + 64 * wg;           // this warpgroup's first key
+    const bool bf16 = kBf16;
+
+    swizzled_load<DP, 128, 256>(sK, static_cast<const uint16_t*>(p.k), b, k0, kvh, p.Hkv, T);
+    swizzled_load<DP, 128, 256>(sV, static_cast<const uint16_t*>(p.v), b, k0, kvh, p.Hkv, T);
+    cp_async_commit();
+    // Step i: query tile n_q - 1 - i / G of head kvh * G + i % G, into stage i % 2.
+    auto step_tile = [&](int i) { return n_q - 1 - i / G; };
+    auto step_head = [&](int i) { return kvh * G + i % G; };
+    auto load_step = [&](int i, int st) {
+        const int q0 = step_tile(i) * Tr::kRows, h = step_head(i);
+        swizzled_load<DP, 64, 256>(sQ(st), static_cast<const uint16_t*>(p.q), b, q0, h, p.Hq, T);
+        swizzled_load<DP, 64, 256>(sdO(st), static_cast<const uint16_t*>(p.dout), b, q0, h, p.Hq, T);
+        for (int r = threadIdx.x; r < Tr::kRows; r += Tr::kThreads) {
+            const int t = q0 + r;
+            const int64_t row = (b * T + (t < T ? t : 0)) * p.Hq + h;
+            cp_async4(lse2_s(st) + r, p.lse2 + row, t < T ? 4 : 0);
+            cp_async4(delta_s(st) + r, p.delta + row, t < T ? 4 : 0);
+        }
+    };
+    load_step(0, 0);
+    cp_async_commit();
+
+    float dk[DP / 8][4] = {}, dv[DP / 8][4] = {};
+    for (int i = 0; i < steps; ++i) {
+        const int st = i & 1, qi = step_tile(i), h = step_head(i), q0 = qi * Tr::kRows;
+        if (i + 1 < steps) load_step(i + 1, st ^ 1);
+        cp_async_commit();    // (empty on the last step)
+        cp_async_wait<1>();   // everything but the step just issued has landed
+        fence_async_proxy();
+        __syncthreads();
+        const float* lse2_t = lse2_s(st);
+        const float* delta_t = delta_s(st);
+        float s[8][4], dp[8][4];
+        qk_wgmma<kBf16, DP, 128, 64>(s, sK, 64 * wg, sQ(st));    // S^T of this warpgroup's keys
+        wg_commit();
+        qk_wgmma<kBf16, DP, 128, 64>(dp, sV, 64 * wg, sdO(st));  // dP^T
+        wg_commit();
+        // Masks only where a query can precede one of these keys or a row or key is past T.
+        const bool edge = q0 < kw0 + 64 || q0 + Tr::kRows > T || kw0 + 64 > T;
+        const int j_base = kw0 + 16 * cw;
+        wg_wait<1>();
+        fence_regs(reinterpret_cast<float(&)[32]>(s));
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int j = j_base + frag_row(lane, e), c = frag_col(lane, n, e), t = q0 + c;
+                const bool masked = edge && (t < j || t >= T || j >= T);
+                s[n][e] = masked ? 0.f : fast_exp2(s[n][e] * p.scale_log2 - lse2_t[c]);   // P^T
+            }
+        uint32_t pa[4][4], pa2[4][4];
+        pack_p<kBf16>(pa, s);
+        pv_wgmma<kBf16, DP, 64>(dv, pa, sdO(st));   // dV += P^T dO
+        wg_commit();
+        wg_wait<1>();
+        fence_regs(reinterpret_cast<float(&)[32]>(dp));
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - delta_t[frag_col(lane, n, e)]);   // dS^T
+        pack_p<kBf16>(pa2, dp);
+        pv_wgmma<kBf16, DP, 64>(dk, pa2, sQ(st));   // dK += dS^T Q
+        wg_commit();
+        // dS^T into shared memory: row = key (this warp's 16 of the CTA's 128), column = query row,
+        // from its packed form (pack_p: k-step ks holds columns 16 ks .. + 15 of rows gid, gid + 8).
+        {
+            unsigned char* ds = reinterpret_cast<unsigned char*>(sdS);
+            const int r0 = 64 * wg + 16 * cw + gid;
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) {
+                const int c0 = 16 * ks + 2 * tig;
+                *reinterpret_cast<uint32_t*>(ds + sw128_offset(r0, c0, 128)) = pa2[ks][0];
+                *reinterpret_cast<uint32_t*>(ds + sw128_offset(r0 + 8, c0, 128)) = pa2[ks][1];
+                *reinterpret_cast<uint32_t*>(ds + sw128_offset(r0, c0 + 8, 128)) = pa2[ks][2];
+                *reinterpret_cast<uint32_t*>(ds + sw128_offset(r0 + 8, c0 + 8, 128)) = pa2[ks][3];
+            }
+        }
+        fence_async_proxy();
+        wg_wait<0>();
+        fence_regs(reinterpret_cast<float(&)[DP / 2]>(dv));
+        fence_regs(reinterpret_cast<float(&)[DP / 2]>(dk));
+        __syncthreads();   // both warpgroups' dS^T
+        // dQ's share: 64 query rows x columns 64 cb .. + 63, summed over the 128 keys. A = dS, the
+        // stored dS^T read M-major; B = K read N-major (as V in P V).
+        const int cb = DP == 128 ? wg : 0;
+        float dq[8][4];
+        {
+            const unsigned char* a = reinterpret_cast<const unsigned char*>(sdS);
+            const unsigned char* kb = reinterpret_cast<const unsigned char*>(sK) + cb * 128 * 128;
+            wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < 8; ++ks)
+                wgmma_ss_n64<kBf16, 1, 1>(reinterpret_cast<float(&)[32]>(dq), wg_desc(a + ks * 16 * 128, 128 * 128, 1024),
+                                          wg_desc(kb + ks * 16 * 128, 128 * 128, 1024), ks > 0);
+            wg_commit();
+            wg_wait<0>();
+            fence_regs(reinterpret_cast<float(&)[32]>(dq));
+        }
+        // Add it to the fp32 sum once the key tiles before this one have (L2 reads and writes, so
+        // no stale L1 line of another CTA's sum is read).
+        int* order = p.dq_order + (b * p.Hq + h) * n_q + qi;
+        if (threadIdx.x == 0)
+            while (load_acquire(order) < kt) {
+            }
+        __syncthreads();
+        if (cb == wg) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int t = q0 + 16 * cw + frag_row(lane, 2 * half);
+                if (t >= T) continue;
+                float* row = p.dq_accum + ((b * T + t) * p.Hq + h) * DP + 64 * cb;
+#pragma unroll
+                for (int n = 0; n < 8; ++n) {
+                    float2* cell = reinterpret_cast<float2*>(row + frag_col(lane, n, 2 * half));
+                    float2 x = __ldcg(cell);
+                    x.x += dq[n][2 * half];
+                    x.y += dq[n][2 * half + 1];
+                    __stcg(cell, x);
+                }
+            }
+        }
+        __threadfence();
+        __syncthreads();   // every add of this CTA is visible; stage st and dS^T are free again
+        if (threadIdx.x == 0) store_release(order, kt + 1);
+    }
+
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int j = kw0 + 16 * cw + frag_row(lane, 2 * half);
+        if (j >= T) continue;
+        const int64_t row = (b * T + j) * p.Hkv + kvh;
+        uint16_t* dk_out = static_cast<uint16_t*>(p.dk) + row * DP;
+        uint16_t* dv_out = static_cast<uint16_t*>(p.dv) + row * DP;
+#pragma unroll
+        for (int n = 0; n < DP / 8; ++n) {
+            const int c = frag_col(lane, n, 2 * half);
+            store_pair(dk_out + c, dk[n][2 * half] * p.scale, dk[n][2 * half + 1] * p.scale, bf16);
+            store_pair(dv_out + c, dv[n][2 * half], dv[n][2 * half + 1], bf16);
+        }
+    }
+}
+
+// dQ = the fp32 sum times 1 / sqrt(D), in the input dtype (two columns a thread).
+template <bool kBf16>
+__global__ void gqa_bwd_dq_store_kernel(const GqaBwdParams p, int64_t pairs) {
+    if (*p.nonfinite) return;
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < pairs; i += int64_t(gridDim.x) * blockDim.x) {
+        const float2 x = reinterpret_cast<const float2*>(p.dq_accum)[i];
+        store_pair(static_cast<uint16_t*>(p.dq) + 2 * i, x.x * p.scale, x.y * p.scale, kBf16);
+    }
+}
+
+// The three kernels, after the inputs' scan (attention.cu) on the same stream; the sum and the
+// counters start from zero.
+template <class Pol>
+cudaError_t fused_launch(const GqaBwdParams& p, cudaStream_t stream, int dev) {
+    constexpr bool kBf16 = Pol::kBf16;
+    constexpr int DP = Pol::DP;
+    using Tr = FusedTraits<DP>;
+    if (p.dtype != (kBf16 ? kGqaBFloat16 : kGqaFloat16) || p.D != DP || p.dq_accum == nullptr) return cudaErrorInvalidValue;
+    static bool raised_stats[kMaxDevices] = {}, raised_fused[kMaxDevices] = {};
+    const int64_t rows = int64_t(p.B) * p.T * p.Hq;
+    const int64_t q_tiles = (p.T + kTile - 1) / kTile, key_tiles = (p.T + Tr::kKeys - 1) / Tr::kKeys;
+    const int64_t stats_ctas = q_tiles * p.B * p.Hq, fused_ctas = key_tiles * p.B * p.Hkv;
+    if (stats_ctas > 0x7fffffff || fused_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
+    cudaError_t err = raise_smem_limit(gqa_bwd_dq_kernel<Pol, true>, BwdSmem<Pol>::kDq, dev, raised_stats);
+    if (err == cudaSuccess) err = raise_smem_limit(gqa_bwd_fused_kernel<kBf16, DP>, Tr::kSmem, dev, raised_fused);
+    if (err == cudaSuccess)
+        err = cudaMemsetAsync(p.dq_accum, 0, (rows * DP + int64_t(p.B) * p.Hq * ((p.T + 63) / 64)) * sizeof(float), stream);
+    if (err != cudaSuccess) return err;
+    gqa_bwd_dq_kernel<Pol, true><<<unsigned(stats_ctas), kThreads, BwdSmem<Pol>::kDq, stream>>>(p);
+    gqa_bwd_fused_kernel<kBf16, DP><<<unsigned(fused_ctas), Tr::kThreads, Tr::kSmem, stream>>>(p);
+    const int64_t pairs = rows * DP / 2;
+    const int64_t blocks = (pairs + 255) / 256 < 4096 ? (pairs + 255) / 256 : 4096;
+    gqa_bwd_dq_store_kernel<kBf16><<<unsigned(blocks), 256, 0, stream>>>(p, pairs);
+    return cudaGetLastError();
+}
+
+}  // namespace
+#endif  // GQA_BWDWG_FUSED_CUH
