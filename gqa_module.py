@@ -470,7 +470,8 @@ def build_all():
 def _register_fake():
     """Shape-only implementations, so torch.compile and FakeTensor tracing see through the ops, and
     the autograd formula of causal_attention_trainable (what causal_attention runs when an input
-    requires grad): the backward op, which recomputes the softmax from q, k, v and the output.
+    requires grad): the backward op, which takes q, k, v, the output and the rows' log-sum-exp the
+    forward kept (NaN rows: it computes them).
 
     Once per process: a bundle exec'd beside this module shares the same loaded library."""
     namespace = getattr(torch.ops, _LIBRARY)
@@ -480,21 +481,26 @@ def _register_fake():
     def like_query(q, k, v):
         return q.new_empty(q.shape)
 
-    def like_inputs(q, k, v, out, grad_out):
+    def like_query_and_rows(q, k, v):
+        return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+    def like_inputs(q, k, v, out, grad_out, lse2):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
-    def save_inputs_and_output(ctx, inputs, output):
-        ctx.save_for_backward(*inputs, output)
+    def save_inputs_and_outputs(ctx, inputs, output):
+        ctx.save_for_backward(*inputs, *output)
+        ctx.mark_non_differentiable(output[1])
 
-    def backward(ctx, grad_out):
-        q, k, v, out = ctx.saved_tensors
-        return tuple(namespace.causal_attention_backward.default(q, k, v, out, grad_out))
+    def backward(ctx, grad_out, grad_lse2):
+        q, k, v, out, lse2 = ctx.saved_tensors
+        return tuple(namespace.causal_attention_backward.default(q, k, v, out, grad_out, lse2))
 
-    for name in ("causal_attention", "causal_attention_trainable", "empty_call"):
+    for name in ("causal_attention", "empty_call"):
         torch.library.register_fake("%s::%s" % (_LIBRARY, name))(like_query)
+    torch.library.register_fake("%s::causal_attention_trainable" % _LIBRARY)(like_query_and_rows)
     torch.library.register_fake("%s::causal_attention_backward" % _LIBRARY)(like_inputs)
     torch.library.register_autograd("%s::causal_attention_trainable" % _LIBRARY, backward,
-                                    setup_context=save_inputs_and_output)
+                                    setup_context=save_inputs_and_outputs)
     namespace._gqa_fake_registered = True
 
 

@@ -253,13 +253,17 @@ lib = torch.library.Library("gqa_attn", "IMPL")
 def forward(q, k, v):
     return g._attention_torch(q, k, v)
 
-def backward(q, k, v, out, grad_out):
+def forward_trainable(q, k, v):   # the rows' log-sum-exp left as "not kept" (NaN)
+    return g._attention_torch(q, k, v), torch.full(q.shape[:3], float("nan"))
+
+def backward(q, k, v, out, grad_out, lse2):
+    assert lse2.shape == q.shape[:3] and lse2.dtype == torch.float32
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
     with torch.enable_grad():
         return torch.autograd.grad(g._attention_torch(*leaves), leaves, grad_out)
 
-for name in ("causal_attention", "causal_attention_trainable"):
-    lib.impl(name, forward, "CPU")
+lib.impl("causal_attention", forward, "CPU")
+lib.impl("causal_attention_trainable", forward_trainable, "CPU")
 lib.impl("causal_attention_backward", backward, "CPU")
 q, k, v = (torch.randn(2, 20, H, 8, requires_grad=True) for H in (4, 2, 2))
 grad = torch.randn(2, 20, 4, 8)
@@ -283,12 +287,14 @@ print("compile equal", torch.allclose(o, ops.causal_attention(q, k, v).detach() 
 """
 
 
-def test_autograd_wiring_with_cpu_stand_ins():
+def test_autograd_wiring_with_cpu_stand_ins(tmp_path):
     """Inputs that require grad get a node whose backward runs causal_attention_backward; no_grad
     gets none; opcheck (autograd registration, fake, AOT dispatch) and torch.compile(fullgraph) of
-    a forward and backward agree with eager."""
+    a forward and backward agree with eager. Inductor gets an empty cache: its cached graphs are
+    keyed by op name, not schema, so graphs of an earlier schema would be reused."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     run = subprocess.run([sys.executable, "-c", AUTOGRAD_WIRING], cwd=HERE, capture_output=True, text=True,
-                         timeout=900)
+                         timeout=900, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
     assert lines == ["grad_fn GeneratedBackwardFor_gqa_attn_causal_attention_trainable_defaultBackward",
@@ -1709,14 +1715,50 @@ def test_gpu_backward_long_sequence_scratch_memory():
 
 
 @needs_gpu
+@pytest.mark.parametrize("dtype, D, layout", [(torch.bfloat16, 128, "packed"), (torch.float16, 64, "packed"),
+                                              (torch.bfloat16, 128, "broadcast"), (torch.float32, 64, "packed")])
+def test_gpu_forward_keeps_log_sum_exp_for_the_backward(dtype, D, layout):
+    """The forward of a call a backward will follow keeps each row's log2-sum-exp2 where the
+    warp-specialised kernel runs (within 1e-3 of float64), and NaN ("not kept") elsewhere: other
+    plans, and the wgmma plan's fallback for kv heads broadcast by expand. The gradients taking it
+    match those of the backward's own first pass."""
+    B, T, Hq, Hkv = 2, 300, 8, 2
+    q, k, v = make_qkv(B, T, Hq, Hkv if layout == "packed" else 1, D, device="cuda", dtype=dtype)
+    if layout == "broadcast":
+        k, v = k.expand(B, T, Hkv, D), v.expand(B, T, Hkv, D)
+    ops = gqa_module.load_extension()
+    out, lse2 = ops.causal_attention_trainable.default(q, k, v)
+    assert lse2.shape == (B, T, Hq) and lse2.dtype == torch.float32
+    if dtype != torch.float32 and layout == "packed":
+        G = Hq // Hkv
+        scores = torch.einsum("bthd,bshd->bhts", q.double(), k.double().repeat_interleave(G, 2)) / math.sqrt(D)
+        scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool, device="cuda").triu(1), float("-inf"))
+        exact = (torch.logsumexp(scores, dim=-1) / math.log(2)).transpose(1, 2)
+        err = (lse2.double() - exact).abs().max().item()
+        print("lse2 max abs err %.3g" % err)
+        assert err <= 1e-3
+    else:
+        assert torch.isnan(lse2).all()
+    grad_out = torch.randn_like(q)
+    kept = ops.causal_attention_backward.default(q, k, v, out, grad_out, lse2)
+    own = ops.causal_attention_backward.default(q, k, v, out, grad_out, lse2.new_empty(0))
+    for name, a, b in zip(("dq", "dk", "dv"), kept, own):
+        print("%s kept vs own %.3g" % (name, rel_err(a, b)))
+        assert rel_err(a, b) <= (1e-6 if dtype == torch.float32 else 1e-2), name
+
+
+@needs_gpu
 def test_gpu_backward_refuses_mismatched_grad_out():
     q, k, v = make_qkv(1, 16, 4, 2, 16, device="cuda")
     op = gqa_module.load_extension().causal_attention_backward.default
     out = gqa_module.causal_gqa_attention(q, k, v)
+    none = q.new_empty(0)
     with pytest.raises(ValueError, match="grad_out must have q's shape"):
-        op(q, k, v, out, out[:, :8])
+        op(q, k, v, out, out[:, :8], none)
     with pytest.raises(ValueError, match="grad_out must have q's dtype"):
-        op(q, k, v, out, out.double())
+        op(q, k, v, out, out.double(), none)
+    with pytest.raises(ValueError, match="lse2 must be empty or float32"):
+        op(q, k, v, out, out, q.new_zeros(1, 16, 3))
 
 
 @needs_gpu

@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -136,7 +137,9 @@ KernelInputs kernel_inputs(const at::Tensor& q, const at::Tensor& k, const at::T
     return {with_unit_last_stride(q), with_unit_last_stride(k), with_unit_last_stride(v)};
 }
 
-at::Tensor causal_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in) {
+// The forward; with `lse2` defined ((B, T, Hq) floats), also each row's log-sum-exp for a backward,
+// or NaN in it where the plan keeps none.
+at::Tensor forward_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& lse2) {
     const KernelInputs in = kernel_inputs(q_in, k_in, v_in);
     const at::Tensor &q = in.q, &k = in.k, &v = in.v;
     const c10::cuda::CUDAGuard device_guard(q.device());
@@ -145,6 +148,10 @@ at::Tensor causal_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
 
     GqaParams p = params_of(q, k, v, out);
     const GqaPlan plan = gqa_make_plan(p, current_device());
+    if (lse2.defined()) {
+        p.lse2 = lse2.data_ptr<float>();
+        if (plan.family != kGqaWgmma) lse2.fill_(std::numeric_limits<float>::quiet_NaN());
+    }
     // Scratch lives until the end of this call; the caching allocator orders its reuse on the stream.
     const int64_t scratch_bytes = gqa_workspace_bytes(p, plan);
     at::Tensor scratch;
@@ -159,6 +166,19 @@ at::Tensor causal_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
     TORCH_CHECK(err == 0, "causal_gqa_attention: kernel launch failed (", plan_name(plan), "): ",
                 cudaGetErrorString(static_cast<cudaError_t>(err)));
     return out;
+}
+
+at::Tensor causal_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    return forward_cuda(q, k, v, at::Tensor());
+}
+
+// The forward of a call that a backward will follow: the output and the rows' log-sum-exp (NaN
+// where the plan keeps none; the backward then computes it).
+std::tuple<at::Tensor, at::Tensor> causal_attention_trainable_cuda(const at::Tensor& q, const at::Tensor& k,
+                                                                   const at::Tensor& v) {
+    check_inputs(q, k, v);
+    at::Tensor lse2 = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(c10::ScalarType::Float));
+    return {forward_cuda(q, k, v, lse2), lse2};
 }
 
 // The plan a call with these inputs takes on their device, without running it.
@@ -231,7 +251,7 @@ GqaBwdParams backward_params_of(const at::Tensor& q, const at::Tensor& k) {
 // dq, dk and dv of causal_attention, from its inputs, its output and the output's gradient.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward_cuda(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out_in,
-    const at::Tensor& grad_in) {
+    const at::Tensor& grad_in, const at::Tensor& lse2_in) {
     check_inputs(q_in, k_in, v_in);
     GQA_CHECK_ARG(out_in.sizes() == q_in.sizes() && grad_in.sizes() == q_in.sizes(),
                   "backward: out and grad_out must have q's shape ", dims(q_in.sizes()), ", got out ",
@@ -241,6 +261,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward_cuda(
                   c10::toString(out_in.scalar_type()), " and grad_out ", c10::toString(grad_in.scalar_type()));
     GQA_CHECK_ARG(out_in.device() == q_in.device() && grad_in.device() == q_in.device(),
                   "backward: out and grad_out must be on q's device ", q_in.device().str());
+    GQA_CHECK_ARG(lse2_in.numel() == 0 ||
+                      (lse2_in.scalar_type() == c10::ScalarType::Float && lse2_in.device() == q_in.device() &&
+                       lse2_in.dim() == 3 && lse2_in.size(0) == q_in.size(0) && lse2_in.size(1) == q_in.size(1) &&
+                       lse2_in.size(2) == q_in.size(2)),
+                  "backward: lse2 must be empty or float32 (B, T, Hq) ", dims(q_in.sizes().slice(0, 3)),
+                  " on q's device, got ", c10::toString(lse2_in.scalar_type()), " ", dims(lse2_in.sizes()));
     const c10::cuda::CUDAGuard device_guard(q_in.device());
     // The tensor-core kernels read 16-byte vectors: a contiguous tensor that starts off 16 bytes
     // (a view at an odd offset) is copied once, O(T) against the backward's O(T^2).
@@ -263,6 +289,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward_cuda(
     p.nonfinite = reinterpret_cast<int*>(p.delta + rows);
     p.dq_accum = extra > 0 ? p.lse2 + 2 * rows + 4 : nullptr;
     p.dq_order = extra > 0 ? reinterpret_cast<int*>(p.dq_accum + rows * p.D) : nullptr;
+    const at::Tensor lse2 = lse2_in.numel() > 0 ? lse2_in.contiguous() : lse2_in;
+    p.lse2_in = lse2.numel() > 0 ? lse2.data_ptr<float>() : nullptr;
     const int err = gqa_backward(p, c10::cuda::getCurrentCUDAStream().stream());
     TORCH_CHECK(err != kGqaModuleUnavailable, "causal_gqa_attention backward: the kernels of ", gqa_backward_plan(p),
                 " could not be built or loaded (the build's error is printed above)");
@@ -284,10 +312,11 @@ std::string backward_plan_cuda(const at::Tensor& q, const at::Tensor& k, const a
 at::Tensor causal_attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
     using Signature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
     if (c10::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad())) {
+        using Trainable = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&);
         static const auto trainable = c10::Dispatcher::singleton()
                                           .findSchemaOrThrow("gqa_attn::causal_attention_trainable", "")
-                                          .typed<Signature>();
-        return trainable.call(q, k, v);
+                                          .typed<Trainable>();
+        return std::get<0>(trainable.call(q, k, v));
     }
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     static const auto op =
@@ -299,8 +328,9 @@ at::Tensor causal_attention_autograd(const at::Tensor& q, const at::Tensor& k, c
 
 TORCH_LIBRARY(gqa_attn, m) {
     m.def("causal_attention(Tensor q, Tensor k, Tensor v) -> Tensor");
-    m.def("causal_attention_trainable(Tensor q, Tensor k, Tensor v) -> Tensor");
-    m.def("causal_attention_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor grad_out) -> (Tensor, Tensor, Tensor)");
+    m.def("causal_attention_trainable(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor)");
+    m.def("causal_attention_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor grad_out, Tensor lse2) -> "
+          "(Tensor, Tensor, Tensor)");
     m.def("empty_call(Tensor q, Tensor k, Tensor v) -> Tensor");
     m.def("read_floor(Tensor q, Tensor k, Tensor v) -> Tensor");
     m.def("plan(Tensor q, Tensor k, Tensor v) -> str");
@@ -315,7 +345,7 @@ TORCH_LIBRARY(gqa_attn, m) {
 
 TORCH_LIBRARY_IMPL(gqa_attn, CUDA, m) {
     m.impl("causal_attention", &causal_attention_cuda);
-    m.impl("causal_attention_trainable", &causal_attention_cuda);
+    m.impl("causal_attention_trainable", &causal_attention_trainable_cuda);
     m.impl("causal_attention_backward", &causal_attention_backward_cuda);
     m.impl("empty_call", &empty_call_cuda);
     m.impl("read_floor", &read_floor_cuda);

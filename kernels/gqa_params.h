@@ -31,6 +31,10 @@ struct GqaParams {
     void* workspace;
     // Set by the dispatcher only: CTAs of the fp32 tiled kernel to run (1) or skip (0); null = all.
     const uint8_t* redo;
+    // Null, or (B, T, Hq) floats for each row's log2 of the sum of 2^(s * log2(e) / sqrt(D)), for a
+    // backward: the 16-bit warp-specialised kernel writes them; where it does not run, the wgmma
+    // unit and the caller fill them with NaN (meaning "not kept").
+    float* lse2;
 };
 
 // The device facts a plan depends on.
@@ -57,6 +61,8 @@ struct GqaBwdParams {
     // tiles have added to it.
     float* dq_accum;
     int* dq_order;
+    // Null, or the forward's lse2 (GqaParams::lse2): rows holding a number need no first pass.
+    const float* lse2_in;
     bool rows_if_nonfinite;   // the row-wise kernels run only when *nonfinite is set
     int B, T, Hq, Hkv, D;
     int group;          // Hq / Hkv

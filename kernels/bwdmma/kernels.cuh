@@ -100,6 +100,21 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
         delta[half] = sum;
     }
 
+    // The forward's log-sum-exp of these rows, when it kept a number for every one of them: then
+    // pass 1 has nothing to do (its loop runs to -1; a branch around products would serialise them).
+    float given[2] = {0.f, 0.f};
+    bool kept = p.lse2_in != nullptr;
+    if (kept) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int t = q0 + 16 * warp + frag_row(lane, 2 * half);
+            if (t < p.T) given[half] = p.lse2_in[(b * p.T + t) * p.Hq + h];
+            kept = kept && isfinite(given[half]);
+        }
+    }
+    kept = __syncthreads_and(kept);
+    const int pass1_last = kept ? -1 : qt;
+
     // Only the diagonal tile (kt == qt, which is also the one holding keys past T) masks.
     auto masked = [&](int kt, int n, int e) {
         const int t = q0 + 16 * warp + frag_row(lane, e), j = kt * kTile + frag_col(lane, n, e);
@@ -109,9 +124,9 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
     // Pass 1: the rows' maximum and sum, online over the key tiles. K tile kt lands in stage 0's
     // K (kt even) or V tile (kt odd) while the tile before it is in use.
     auto k_stage = [&](int kt) { return kt & 1 ? v_of(0) : k_of(0); };
-    Pol::load(k_stage(0), k_in, b, 0, kv_head, p.Hkv, p.T);
+    if (!kept) Pol::load(k_stage(0), k_in, b, 0, kv_head, p.Hkv, p.T);   // (pass 2 refills stage 0 at once)
     cp_async_commit();
-    for (int kt = 0; kt <= qt; ++kt) {
+    for (int kt = 0; kt <= pass1_last; ++kt) {
         if (kt < qt) Pol::load(k_stage(kt + 1), k_in, b, (kt + 1) * kTile, kv_head, p.Hkv, p.T);
         cp_async_commit();    // (empty on the last tile)
         cp_async_wait<1>();   // everything but the tile just issued has landed
@@ -149,7 +164,7 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
         __syncthreads();   // this tile takes tile kt + 2, issued at the top of the next iteration
     }
 #pragma unroll
-    for (int half = 0; half < 2; ++half) lse2[half] = m[half] + log2f(l[half]);
+    for (int half = 0; half < 2; ++half) lse2[half] = kept ? given[half] : m[half] + log2f(l[half]);
 
     // Pass 2: dQ. Key tile kt sits in stage (kt + 1) % 2; the next one loads during this one.
     float dq[1][DP / 8][4] = {};

@@ -392,6 +392,8 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
             const int R = row0 + gid + 8 * r;
             if (R >= rows_total) continue;
             const float inv = 1.f / l[r];
+            if (p.lse2 != nullptr && tig == 0)   // kept for a backward: m is in log2 units, l relative to it
+                p.lse2[(int64_t(w.b) * T + row_t[r]) * p.Hq + int64_t(w.kvh) * G + (R - row_t[r] * G)] = m[r] + log2f(l[r]);
             Elem* dst = o_base + int64_t(row_t[r]) * p.o_stride_t + int64_t(R - row_t[r] * G) * p.o_stride_h;
 #pragma unroll
             for (int d = 0; d < kDTiles; ++d) {
