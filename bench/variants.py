@@ -4,10 +4,11 @@ timed in its own process, so every variant builds its own units.
 
     python3 bench/variants.py --out variants.json [--only NAME,...] [--timeout 300]
 
-A variant whose replacement text is not found fails before anything runs. Times are medians of
-CUDA-event timings of back-to-back calls (bf16; the best of 3 repeats of 30 calls), with a max-abs
-error against SDPA in fp32 on the small shapes, so a broken variant shows; the benchmark
-(bench_gqa.py) and the GPU tests remain the measure of a variant that lands.
+A variant whose replacement text is not found fails before anything runs. Times are CUDA-event
+timings of back-to-back calls (bf16; the best of 3 repeats of 30 calls), with a max-abs error
+against SDPA in fp32 on the small shapes, so a broken variant shows; the backward rows time a
+forward and backward and subtract the forward. The benchmark (bench_gqa.py) and the GPU tests
+remain the measure of a variant that lands.
 """
 import argparse
 import json
@@ -28,7 +29,9 @@ VARIANTS = {
     "no_overlap_at_256": [(WS, "kOverlap = true;", "kOverlap = DP <= 128;")],
     "two_stages_at_128": [(WS, "kStages = DP == 64 ? 4 : DP == 128 ? 3 : 2;", "kStages = DP == 64 ? 4 : 2;")],
     "no_turns": [(WS, "kPingPong = true;", "kPingPong = false;")],
+    "two_kernel_backward": [("kernels/bwdwg/bwdwg.cu", "fused_launch<Products>(", "bwd_launch<Products>(")],
 }
+BACKWARD_SHAPES = [(4, 1024, 32, 8, 128), (1, 8192, 32, 8, 128), (16, 2048, 32, 8, 64)]
 
 SHAPES = [(1, 1000, 6, 2, 64), (1, 1024, 8, 2, 128), (1, 777, 4, 1, 256),
           (4, 1024, 32, 8, 128), (1, 8192, 32, 8, 128), (16, 2048, 32, 8, 64),
@@ -39,6 +42,29 @@ import json, sys, torch
 import gqa_module as g
 torch.manual_seed(0)
 out = []
+def best_ms(fn, calls=30):
+    times = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return min(times)
+for B, T, Hq, Hkv, D in json.loads(sys.argv[2]):
+    q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16).requires_grad_(True) for H in (Hq, Hkv, Hkv))
+    grad = torch.randn_like(q)
+    def both():
+        torch.autograd.grad(g.causal_gqa_attention(q, k, v), (q, k, v), grad)
+    with torch.no_grad():
+        fwd = best_ms(lambda: g.causal_gqa_attention(q, k, v), 10)
+    ms = best_ms(both, 10) - fwd
+    out.append({"shape": [B, T, Hq, Hkv, D], "plan": g.backward_plan(q, k, v), "backward_ms": ms,
+                "tflops": 2.5 * 4 * B * Hq * T * T * D / 2 / (ms * 1e-3) / 1e12})
+    print(json.dumps(out[-1]), flush=True)
 for B, T, Hq, Hkv, D in json.loads(sys.argv[1]):
     q = torch.randn(B, T, Hq, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(B, T, Hkv, D, device="cuda", dtype=torch.bfloat16)
@@ -51,17 +77,7 @@ for B, T, Hq, Hkv, D in json.loads(sys.argv[1]):
             q.float().transpose(1, 2), k.float().repeat_interleave(G, 2).transpose(1, 2),
             v.float().repeat_interleave(G, 2).transpose(1, 2), is_causal=True).transpose(1, 2)
         err = (o.float() - ref).abs().max().item()
-    times = []
-    for _ in range(3):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-        start.record()
-        for _ in range(30):
-            g.causal_gqa_attention(q, k, v)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 30)
-    ms = min(times)
+    ms = best_ms(lambda: g.causal_gqa_attention(q, k, v))
     out.append({"shape": [B, T, Hq, Hkv, D], "plan": g.plan(q, k, v), "ms": ms,
                 "tflops": 4 * B * Hq * T * T * D / 2 / (ms * 1e-3) / 1e12, "max_abs_err": err})
     print(json.dumps(out[-1]), flush=True)
@@ -100,7 +116,8 @@ def main():
     for name in names:
         print("== %s" % name, flush=True)
         try:
-            run = subprocess.run([sys.executable, "-c", TIMER, json.dumps(SHAPES)], cwd=copies[name],
+            run = subprocess.run([sys.executable, "-c", TIMER, json.dumps(SHAPES), json.dumps(BACKWARD_SHAPES)],
+                                 cwd=copies[name],
                                  capture_output=True, text=True, timeout=args.timeout)
             lines = [l for l in run.stdout.splitlines() if l.startswith("RESULT ")]
             results[name] = json.loads(lines[-1][7:]) if run.returncode == 0 and lines else {
