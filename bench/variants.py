@@ -1,6 +1,7 @@
 """Same-run timings of kernel variants that differ by a compile-time constant (a WsTraits flag, a
 stage count): each variant is a copy of this checkout with text replaced in kernels/, built and
-timed in its own process, so every variant builds its own units.
+timed in its own process, so every variant builds its own units (all variants' builds run at
+once first, then the timings one at a time).
 
     python3 bench/variants.py --out variants.json [--only NAME,...] [--timeout 300]
 
@@ -85,6 +86,22 @@ print("RESULT " + json.dumps(out))
 """
 
 
+# One call of every timed shape, forward and backward, so that a copy builds every unit it times;
+# the copies run this at once (each its own units, on the machine's cores) before any timing.
+WARM = r"""
+import json, sys, torch
+import gqa_module as g
+for B, T, Hq, Hkv, D in json.loads(sys.argv[1]):
+    q = torch.randn(B, T, Hq, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, T, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    g.causal_gqa_attention(q, k, v)
+for B, T, Hq, Hkv, D in json.loads(sys.argv[2]):
+    q, k, v = (torch.randn(1, 256, H, D, device="cuda", dtype=torch.bfloat16).requires_grad_(True) for H in (Hq, Hkv, Hkv))
+    torch.autograd.grad(g.causal_gqa_attention(q, k, v), (q, k, v), torch.randn_like(q))
+torch.cuda.synchronize()
+"""
+
+
 def make_copy(name, edits, root):
     """A copy of the checkout (no .git, no results) with the variant's replacements applied."""
     dst = os.path.join(root, name)
@@ -104,7 +121,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="where to write the JSON")
     parser.add_argument("--only", help="comma-separated variant names")
-    parser.add_argument("--timeout", type=int, default=300, help="seconds per variant (build and timing)")
+    parser.add_argument("--timeout", type=int, default=300,
+                        help="seconds for the builds (all variants at once), then for each variant's timing")
     args = parser.parse_args()
     names = args.only.split(",") if args.only else list(VARIANTS)
     unknown = [n for n in names if n not in VARIANTS]
@@ -113,7 +131,19 @@ def main():
     root = tempfile.mkdtemp(prefix="gqa-variants-")
     copies = {name: make_copy(name, VARIANTS[name], root) for name in names}   # every edit checked first
     results = {}
-    for name in names:
+    warm = {name: subprocess.Popen([sys.executable, "-c", WARM, json.dumps(SHAPES), json.dumps(BACKWARD_SHAPES)],
+                                   cwd=copies[name], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for name in names}
+    for name, proc in warm.items():
+        try:
+            output = proc.communicate(timeout=args.timeout)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output = "timed out after %d s: %s" % (args.timeout, proc.communicate()[0])
+        if proc.returncode != 0:
+            results[name] = {"error": "build or first call: exit %d: %s" % (proc.returncode, output[-3000:])}
+    print("built: %s" % sorted(set(names) - set(results)), flush=True)
+    for name in [n for n in names if n not in results]:
         print("== %s" % name, flush=True)
         try:
             run = subprocess.run([sys.executable, "-c", TIMER, json.dumps(SHAPES), json.dumps(BACKWARD_SHAPES)],

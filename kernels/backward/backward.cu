@@ -125,9 +125,11 @@ __global__ void __launch_bounds__(32 * kBwdWarps) gqa_bwd_query_kernel(const Gqa
 }
 
 // Kernel 2: one warp per key row (b, j, kv head), rows in [B, T, Hkv] order, so the keys with the
-// most query rows after them start first.
+// most query rows after them start first. Three CTAs per SM (at most 85 registers): left to
+// itself, ptxas's choice moved with the size of GqaBwdParams (92 registers in fp32, more spills in
+// 16-bit).
 template <typename Elem>
-__global__ void __launch_bounds__(32 * kBwdWarps) gqa_bwd_key_kernel(const GqaBwdParams p) {
+__global__ void __launch_bounds__(32 * kBwdWarps, 3) gqa_bwd_key_kernel(const GqaBwdParams p) {
     const WarpRow w = warp_row(p, p.Hkv);
     if (!w.valid || (p.rows_if_nonfinite && *p.nonfinite == 0)) return;
     const int64_t b = w.b;

@@ -4,7 +4,7 @@
 //     tile at or after its keys, the last first, and every head of the group: S^T = K Q^T and
 //     dP^T = V dO^T, P^T from lse2, dS^T = P^T (dP^T - delta), dV += P^T dO, dK += dS^T Q (each
 //     warpgroup its keys), then dS^T to shared memory and dQ's share of these keys = dS K (each
-//     warpgroup 64 of dQ's columns; at width 64 both compute the same and the first adds it).
+//     warpgroup 64 of dQ's columns; at width 64 the first warpgroup alone).
 //     The share is added to an fp32 sum in global memory in key-tile order: a counter per (batch,
 //     head, query tile) says how many key tiles have added, and a CTA waits for its turn (its key
 //     tile's index). CTAs start in key-tile order, so the one waited for has started; every CTA
@@ -62,7 +62,10 @@ __global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParam
     using Tr = FusedTraits<DP>;
     if (*p.nonfinite) return;   // the row-wise kernels take this call
     extern __shared__ __align__(16) unsigned char fused_smem[];
-    uint16_t* sK = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(fused_smem) + 1023) / 1024 * 1024);
+    // 1024-aligned by an offset from the shared array itself, so that every pointer below stays a
+    // shared-memory pointer to the compiler (LDS and STS, not generic loads and stores).
+    const uint32_t misaligned = static_cast<uint32_t>(__cvta_generic_to_shared(fused_smem)) & 1023u;
+    uint16_t* sK = reinterpret_cast<uint16_t*>(fused_smem + ((1024u - misaligned) & 1023u));
     uint16_t* sV = sK + Tr::kKvHalves;
     auto sQ = [&](int st) { return sV + Tr::kKvHalves + st * 2 * Tr::kRowHalves; };
     auto sdO = [&](int st) { return sQ(st) + Tr::kRowHalves; };
@@ -128,7 +131,8 @@ __global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParam
             for (int e = 0; e < 4; ++e) {
                 const int j = j_base + frag_row(lane, e), c = frag_col(lane, n, e), t = q0 + c;
                 const bool masked = edge && (t < j || t >= T || j >= T);
-                s[n][e] = masked ? 0.f : fast_exp2(s[n][e] * p.scale_log2 - lse2_t[c]);   // P^T
+                const float p_t = fast_exp2(s[n][e] * p.scale_log2 - lse2_t[c]);   // c < 64: always in the tile
+                s[n][e] = masked ? 0.f : p_t;   // P^T
             }
         uint32_t pa[4][4], pa2[4][4];
         pack_p<kBf16>(pa, s);
@@ -166,7 +170,7 @@ __global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParam
         // stored dS^T read M-major; B = K read N-major (as V in P V).
         const int cb = DP == 128 ? wg : 0;
         float dq[8][4];
-        {
+        if (cb == wg) {   // at width 64 the second warpgroup has no columns of its own
             const unsigned char* a = reinterpret_cast<const unsigned char*>(sdS);
             const unsigned char* kb = reinterpret_cast<const unsigned char*>(sK) + cb * 128 * 128;
             wg_fence();
@@ -185,7 +189,18 @@ __global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParam
             while (load_acquire(order) < kt) {
             }
         __syncthreads();
+        // Every read first, then every write: one L2 round trip a step, not one a cell (the
+        // intrinsics are ordered asm, so a read placed after a write waits for it).
         if (cb == wg) {
+            float2 sum[2][8];
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int t = q0 + 16 * cw + frag_row(lane, 2 * half);
+                const float* row = p.dq_accum + ((b * T + (t < T ? t : q0)) * p.Hq + h) * DP + 64 * cb;
+#pragma unroll
+                for (int n = 0; n < 8; ++n)
+                    sum[half][n] = __ldcg(reinterpret_cast<const float2*>(row + frag_col(lane, n, 2 * half)));
+            }
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int t = q0 + 16 * cw + frag_row(lane, 2 * half);
@@ -193,16 +208,14 @@ __global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParam
                 float* row = p.dq_accum + ((b * T + t) * p.Hq + h) * DP + 64 * cb;
 #pragma unroll
                 for (int n = 0; n < 8; ++n) {
-                    float2* cell = reinterpret_cast<float2*>(row + frag_col(lane, n, 2 * half));
-                    float2 x = __ldcg(cell);
-                    x.x += dq[n][2 * half];
-                    x.y += dq[n][2 * half + 1];
-                    __stcg(cell, x);
+                    const float2 x = make_float2(sum[half][n].x + dq[n][2 * half], sum[half][n].y + dq[n][2 * half + 1]);
+                    __stcg(reinterpret_cast<float2*>(row + frag_col(lane, n, 2 * half)), x);
                 }
             }
         }
-        __threadfence();
-        __syncthreads();   // every add of this CTA is visible; stage st and dS^T are free again
+        // The barrier orders every thread's writes before thread 0's release (cumulative at gpu
+        // scope), which the next key tile's acquire reads; stage st and dS^T are free again.
+        __syncthreads();
         if (threadIdx.x == 0) store_release(order, kt + 1);
     }
 
