@@ -30,6 +30,7 @@ VARIANTS = {
     "no_overlap_at_256": [(WS, "kOverlap = true;", "kOverlap = DP <= 128;")],
     "two_stages_at_128": [(WS, "kStages = DP == 64 ? 4 : DP == 128 ? 3 : 2;", "kStages = DP == 64 ? 4 : 2;")],
     "no_turns": [(WS, "kPingPong = true;", "kPingPong = false;")],
+    "round_robin_walk": [(WS, "((k & 1) ? G - 1 - c : c)", "c")],
     "two_kernel_backward": [("kernels/bwdwg/bwdwg.cu", "fused_launch<Products>(", "bwd_launch<Products>(")],
 }
 BACKWARD_SHAPES = [(4, 1024, 32, 8, 128), (1, 8192, 32, 8, 128), (16, 2048, 32, 8, 64)]

@@ -116,8 +116,19 @@ __device__ __forceinline__ WsTile ws_tile(int tile, const GqaParams& p, const Ti
     return w;
 }
 
-// Persistent: CTA c takes tiles c, c + gridDim.x, ... (longest first), and every role walks the
-// same sequence. The K/V ring runs on across tiles (step `it` counts the CTA's K/V tiles), and with
+// The CTA's k-th tile, or -1 past the last: round k holds tiles [k G, k G + G) (G = gridDim.x,
+// tiles numbered longest first), and CTA c takes the c-th of an even round and the (G - 1 - c)-th
+// of an odd one, so the CTA that had a round's longest tile has the next round's shortest (a walk
+// of c, c + G, ... left the first CTAs up to 11% more work; bench/NOTES.md v42). With a CTA per
+// tile (G = tiles) it is tile c, then nothing.
+__device__ __forceinline__ int ws_walk(int k, int tiles) {
+    const int G = int(gridDim.x), c = int(blockIdx.x);
+    const int64_t tile = int64_t(k) * G + ((k & 1) ? G - 1 - c : c);
+    return tile < tiles ? int(tile) : -1;
+}
+
+// Persistent: CTA c takes the tiles of ws_walk, and every role walks the same sequence. The K/V
+// ring runs on across tiles (step `it` counts the CTA's K/V tiles), and with
 // q_tma the producer loads the next tile's Q as soon as every consumer has issued its last S
 // product of this one, so the next tile's first products wait for nothing while this one's last
 // P V, softmax and stores finish. Without q_tma the consumers copy Q themselves at each tile.
@@ -175,7 +186,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
                         tma_load_4d(dst + blk * TK * 64, map, &full[st], blk * 64, w.kvh, n * TK, w.b);
                 };
                 int it = 0, tc = 0;
-                for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, ++tc) {
+                for (int tile = ws_walk(0, tiles); tile >= 0; tile = ws_walk(++tc, tiles)) {
                     const WsTile w = ws_tile<BM, TK>(tile, p, dv);
                     load(&maps.k, full_k, free_k, false, it, 0, w);
                     if (q_tma) {
@@ -201,8 +212,8 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
         const uint32_t field = bf16 ? 0x7f807f80u : 0x7c007c00u;
         const uint32_t unit = bf16 ? 0x00800080u : 0x04000400u;
         auto carries = [&](uint32_t x) { return ((x & field) + unit) & 0x80008000u; };
-        int it = 0;
-        for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        int it = 0, tc = 0;
+        for (int tile = ws_walk(0, tiles); tile >= 0; tile = ws_walk(++tc, tiles)) {
             const WsTile w = ws_tile<BM, TK>(tile, p, dv);
             for (int n = 0; n < w.n_kv; ++n, ++it) {
                 const int st = it % S;
@@ -245,10 +256,10 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
     auto hand_on = [&]() { turn_pass<kC>(wg); };
     if (kPP && last_wg) hand_on();
     int it = 0, tc = 0;   // the CTA's K/V step at this tile's first K/V tile; tiles done
-    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x, ++tc) {
+    for (int tile = ws_walk(0, tiles); tile >= 0; tile = ws_walk(++tc, tiles)) {
         const WsTile w = ws_tile<BM, TK>(tile, p, dv);
         const int n_kv = w.n_kv;
-        const bool more = tile + int(gridDim.x) < tiles;
+        const bool more = ws_walk(tc + 1, tiles) >= 0;
         const HeadRows<Elem> head(p, w.b, w.kvh);
         if (q_tma) {
             mbar_wait(&full_q, uint32_t(tc & 1));
