@@ -8,7 +8,8 @@ once first, then the timings one at a time).
 A variant whose replacement text is not found fails before anything runs. Times are CUDA-event
 timings of back-to-back calls (bf16; the best of 3 repeats of 30 calls), with a max-abs error
 against SDPA in fp32 on the small shapes, so a broken variant shows; the backward rows time a
-forward and backward and subtract the forward. The benchmark (bench_gqa.py) and the GPU tests
+forward and backward and subtract the forward, and give the gradients' error against float64 on
+a ragged slice of the shape (T = 333). The benchmark (bench_gqa.py) and the GPU tests
 remain the measure of a variant that lands.
 """
 import argparse
@@ -64,8 +65,21 @@ for B, T, Hq, Hkv, D in json.loads(sys.argv[2]):
     with torch.no_grad():
         fwd = best_ms(lambda: g.causal_gqa_attention(q, k, v), 10)
     ms = best_ms(both, 10) - fwd
+    # The gradients of a ragged slice of the shape against float64 autograd of SDPA on expanded k, v
+    # (the largest norm-relative error of dq, dk, dv), so a broken backward variant shows.
+    G, hk = Hq // Hkv, min(Hkv, 2)
+    small = [x.detach()[:1, :333, :heads].contiguous() for x, heads in ((q, hk * G), (k, hk), (v, hk))]
+    leaves = [x.clone().requires_grad_(True) for x in small]
+    exact = [x.double().requires_grad_(True) for x in small]
+    gs = torch.randn_like(small[0])
+    got = torch.autograd.grad(g.causal_gqa_attention(*leaves), leaves, gs)
+    ref_out = torch.nn.functional.scaled_dot_product_attention(
+        exact[0].transpose(1, 2), exact[1].repeat_interleave(G, 2).transpose(1, 2),
+        exact[2].repeat_interleave(G, 2).transpose(1, 2), is_causal=True).transpose(1, 2)
+    ref = torch.autograd.grad(ref_out, exact, gs.double())
+    bwd_err = max(((a.double() - r).norm() / r.norm()).item() for a, r in zip(got, ref))
     out.append({"shape": [B, T, Hq, Hkv, D], "plan": g.backward_plan(q, k, v), "backward_ms": ms,
-                "tflops": 2.5 * 4 * B * Hq * T * T * D / 2 / (ms * 1e-3) / 1e12})
+                "tflops": 2.5 * 4 * B * Hq * T * T * D / 2 / (ms * 1e-3) / 1e12, "grad_rel_err": bwd_err})
     print(json.dumps(out[-1]), flush=True)
 for B, T, Hq, Hkv, D in json.loads(sys.argv[1]):
     q = torch.randn(B, T, Hq, D, device="cuda", dtype=torch.bfloat16)
