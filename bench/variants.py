@@ -33,6 +33,7 @@ VARIANTS = {
     "no_turns": [(WS, "kPingPong = true;", "kPingPong = false;")],
     "round_robin_walk": [(WS, "((k & 1) ? G - 1 - c : c)", "c")],
     "two_kernel_backward": [("kernels/bwdwg/bwdwg.cu", "fused_launch<Products>(", "bwd_launch<Products>(")],
+    "defer_dq_add": [("kernels/bwdwg/fused.cuh", "kDeferDq = false;", "kDeferDq = true;")],
 }
 BACKWARD_SHAPES = [(4, 1024, 32, 8, 128), (1, 8192, 32, 8, 128), (16, 2048, 32, 8, 64)]
 

@@ -23,8 +23,13 @@ template <int DP> struct FusedTraits {
     static constexpr int kRows = 64;        // query rows a step
     static constexpr int kThreads = 256;
     static constexpr int kKvHalves = kKeys * DP, kRowHalves = kRows * DP, kDsHalves = kKeys * kRows;
-    // K, V, two stages of (Q, dO), dS^T, two stages of (lse2, delta); 1024 of alignment slack.
-    static constexpr int kSmem = 1024 + 2 * (2 * kKvHalves + 4 * kRowHalves + kDsHalves) + 2 * 2 * kRows * 4;
+    // A step's dQ share is added to the sum at the next step, under that step's first two products
+    // (held in shared memory meanwhile), instead of at the end of its own.
+    static constexpr bool kDeferDq = false;
+    // K, V, two stages of (Q, dO), dS^T, two stages of (lse2, delta), the held dQ share (fp32, a
+    // thread's 16 float2 strided by the 256 threads); 1024 of alignment slack.
+    static constexpr int kSmem = 1024 + 2 * (2 * kKvHalves + 4 * kRowHalves + kDsHalves) + 2 * 2 * kRows * 4 +
+                                 (kDeferDq ? kRows * DP * 4 : 0);
     static_assert(kSmem <= 227 * 1024, "one CTA's shared memory");
 };
 
@@ -72,6 +77,7 @@ __global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParam
     uint16_t* sdS = sQ(2);   // dS^T: [128 keys][64 query rows], swizzled
     auto lse2_s = [&](int st) { return reinterpret_cast<float*>(sdS + Tr::kDsHalves) + st * 2 * Tr::kRows; };
     auto delta_s = [&](int st) { return lse2_s(st) + Tr::kRows; };
+    float2* held = reinterpret_cast<float2*>(delta_s(1) + Tr::kRows);   // [16][256] (kDeferDq)
 
     // Key tile kt of (b, kv head), key tiles ascending with blockIdx.
     const int64_t bh_count = int64_t(p.B) * p.Hkv;
@@ -83,6 +89,7 @@ __global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParam
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4, cw = warp % 4;
     const int gid = lane >> 2, tig = lane & 3;
     const int kw0 = k0 + 64 * wg;           // this warpgroup's first key
+    const int cb = DP == 128 ? wg : 0;      // the 64 columns of dQ this warpgroup computes and adds
     const bool bf16 = kBf16;
 
     swizzled_load<DP, 128, 256>(sK, static_cast<const uint16_t*>(p.k), b, k0, kvh, p.Hkv, T);
@@ -102,6 +109,47 @@ __global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParam
             cp_async4(delta_s(st) + r, p.delta + row, t < T ? 4 : 0);
         }
     };
+    // Adds step `step`'s dQ share (share(half, n): the thread's float2 n of row half) to the fp32 sum
+    // once the key tiles before this one have (L2 reads and writes, so no stale L1 line of another
+    // CTA's sum is read). Every read first, then every write: one L2 round trip, not one a cell
+    // (the intrinsics are ordered asm, so a read placed after a write waits for it). The last
+    // barrier orders every thread's writes before thread 0's release (cumulative at gpu scope),
+    // which the next key tile's acquire reads.
+    auto add_dq = [&](int step, auto share) {
+        const int qi = step_tile(step), h = step_head(step), q0 = qi * Tr::kRows;
+        int* order = p.dq_order + (b * p.Hq + h) * n_q + qi;
+        if (threadIdx.x == 0)
+            while (load_acquire(order) < kt) {
+            }
+        __syncthreads();
+        if (cb == wg) {
+            float2 sum[2][8];
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int t = q0 + 16 * cw + frag_row(lane, 2 * half);
+                const float* row = p.dq_accum + ((b * T + (t < T ? t : q0)) * p.Hq + h) * DP + 64 * cb;
+#pragma unroll
+                for (int n = 0; n < 8; ++n)
+                    sum[half][n] = __ldcg(reinterpret_cast<const float2*>(row + frag_col(lane, n, 2 * half)));
+            }
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int t = q0 + 16 * cw + frag_row(lane, 2 * half);
+                if (t >= T) continue;
+                float* row = p.dq_accum + ((b * T + t) * p.Hq + h) * DP + 64 * cb;
+#pragma unroll
+                for (int n = 0; n < 8; ++n) {
+                    const float2 x = share(half, n);
+                    __stcg(reinterpret_cast<float2*>(row + frag_col(lane, n, 2 * half)),
+                           make_float2(sum[half][n].x + x.x, sum[half][n].y + x.y));
+                }
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) store_release(order, kt + 1);
+    };
+    auto held_share = [&](int half, int n) { return held[(8 * half + n) * Tr::kThreads + threadIdx.x]; };
+
     load_step(0, 0);
     cp_async_commit();
 
@@ -120,6 +168,9 @@ __global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParam
         wg_commit();
         qk_wgmma<kBf16, DP, 128, 64>(dp, sV, 64 * wg, sdO(st));  // dP^T
         wg_commit();
+        if constexpr (Tr::kDeferDq) {
+            if (i > 0) add_dq(i - 1, held_share);
+        }
         // Masks only where a query can precede one of these keys or a row or key is past T.
         const bool edge = q0 < kw0 + 64 || q0 + Tr::kRows > T || kw0 + 64 > T;
         const int j_base = kw0 + 16 * cw;
@@ -168,7 +219,6 @@ __global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParam
         __syncthreads();   // both warpgroups' dS^T
         // dQ's share: 64 query rows x columns 64 cb .. + 63, summed over the 128 keys. A = dS, the
         // stored dS^T read M-major; B = K read N-major (as V in P V).
-        const int cb = DP == 128 ? wg : 0;
         float dq[8][4];
         if (cb == wg) {   // at width 64 the second warpgroup has no columns of its own
             const unsigned char* a = reinterpret_cast<const unsigned char*>(sdS);
@@ -182,41 +232,21 @@ __global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParam
             wg_wait<0>();
             fence_regs(reinterpret_cast<float(&)[32]>(dq));
         }
-        // Add it to the fp32 sum once the key tiles before this one have (L2 reads and writes, so
-        // no stale L1 line of another CTA's sum is read).
-        int* order = p.dq_order + (b * p.Hq + h) * n_q + qi;
-        if (threadIdx.x == 0)
-            while (load_acquire(order) < kt) {
+        if constexpr (Tr::kDeferDq) {
+            if (cb == wg) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+#pragma unroll
+                    for (int n = 0; n < 8; ++n)
+                        held[(8 * half + n) * Tr::kThreads + threadIdx.x] = make_float2(dq[n][2 * half], dq[n][2 * half + 1]);
             }
-        __syncthreads();
-        // Every read first, then every write: one L2 round trip a step, not one a cell (the
-        // intrinsics are ordered asm, so a read placed after a write waits for it).
-        if (cb == wg) {
-            float2 sum[2][8];
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int t = q0 + 16 * cw + frag_row(lane, 2 * half);
-                const float* row = p.dq_accum + ((b * T + (t < T ? t : q0)) * p.Hq + h) * DP + 64 * cb;
-#pragma unroll
-                for (int n = 0; n < 8; ++n)
-                    sum[half][n] = __ldcg(reinterpret_cast<const float2*>(row + frag_col(lane, n, 2 * half)));
-            }
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int t = q0 + 16 * cw + frag_row(lane, 2 * half);
-                if (t >= T) continue;
-                float* row = p.dq_accum + ((b * T + t) * p.Hq + h) * DP + 64 * cb;
-#pragma unroll
-                for (int n = 0; n < 8; ++n) {
-                    const float2 x = make_float2(sum[half][n].x + dq[n][2 * half], sum[half][n].y + dq[n][2 * half + 1]);
-                    __stcg(reinterpret_cast<float2*>(row + frag_col(lane, n, 2 * half)), x);
-                }
-            }
+            __syncthreads();   // stage st and dS^T are free again
+        } else {
+            add_dq(i, [&](int half, int n) { return make_float2(dq[n][2 * half], dq[n][2 * half + 1]); });
         }
-        // The barrier orders every thread's writes before thread 0's release (cumulative at gpu
-        // scope), which the next key tile's acquire reads; stage st and dS^T are free again.
-        __syncthreads();
-        if (threadIdx.x == 0) store_release(order, kt + 1);
+    }
+    if constexpr (Tr::kDeferDq) {
+        if (steps > 0) add_dq(steps - 1, held_share);
     }
 
 #pragma unroll
