@@ -23,17 +23,17 @@ import tempfile
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WS = "kernels/ws/kernel.cuh"
 
-# name -> [(file, old text, new text)]; "base" is the checkout as it is.
+# name -> [(file, old text, new text)]; "base" is the checkout as it is. Timed in this order.
 VARIANTS = {
     "base": [],
-    "two_consumers_at_64": [(WS, "kConsumers = DP == 64 ? 3 : 2;", "kConsumers = DP == 64 ? 2 : 2;")],
+    "two_kernel_backward": [("kernels/bwdwg/bwdwg.cu", "fused_launch<Products>(", "bwd_launch<Products>(")],
+    "defer_dq_add": [("kernels/bwdwg/fused.cuh", "kDeferDq = false;", "kDeferDq = true;")],
     "not_persistent": [(WS, "kPersistent = true;", "kPersistent = false;")],
+    "round_robin_walk": [(WS, "((k & 1) ? G - 1 - c : c)", "c")],
+    "two_consumers_at_64": [(WS, "kConsumers = DP == 64 ? 3 : 2;", "kConsumers = DP == 64 ? 2 : 2;")],
     "no_overlap_at_256": [(WS, "kOverlap = true;", "kOverlap = DP <= 128;")],
     "two_stages_at_128": [(WS, "kStages = DP == 64 ? 4 : DP == 128 ? 3 : 2;", "kStages = DP == 64 ? 4 : 2;")],
     "no_turns": [(WS, "kPingPong = true;", "kPingPong = false;")],
-    "round_robin_walk": [(WS, "((k & 1) ? G - 1 - c : c)", "c")],
-    "two_kernel_backward": [("kernels/bwdwg/bwdwg.cu", "fused_launch<Products>(", "bwd_launch<Products>(")],
-    "defer_dq_add": [("kernels/bwdwg/fused.cuh", "kDeferDq = false;", "kDeferDq = true;")],
 }
 BACKWARD_SHAPES = [(4, 1024, 32, 8, 128), (1, 8192, 32, 8, 128), (16, 2048, 32, 8, 64)]
 
@@ -171,9 +171,14 @@ def main():
         except subprocess.TimeoutExpired as exc:
             results[name] = {"error": "timed out after %d s: %s" % (args.timeout, str(exc.stdout)[-2000:])}
         print(json.dumps(results[name])[:2000], flush=True)
-    with open(args.out, "w") as fh:
-        json.dump({"variants": {n: VARIANTS[n] for n in names}, "results": results}, fh, indent=1)
+        write(args.out, names, results)   # after every variant, so a run cut short keeps what it timed
+    write(args.out, names, results)
     shutil.rmtree(root, ignore_errors=True)
+
+
+def write(path, names, results):
+    with open(path, "w") as fh:
+        json.dump({"variants": {n: VARIANTS[n] for n in names}, "results": results}, fh, indent=1)
 
 
 if __name__ == "__main__":
