@@ -10,8 +10,11 @@ namespace {
 template <bool kBf16_, int DP_> struct WgProducts {
     static constexpr bool kBf16 = kBf16_;
     static constexpr int DP = DP_, kTileHalves = kTile * DP, kAlign = 1024;   // swizzled rows carry no padding
+    // By an offset from the shared array itself, so that the tiles stay shared-memory pointers to
+    // the compiler (LDS and STS, not generic loads and stores).
     static __device__ __forceinline__ uint16_t* aligned(uint16_t* smem) {
-        return reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(smem) + kAlign - 1) / kAlign * kAlign);
+        const uint32_t misaligned = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) & (kAlign - 1);
+        return smem + ((kAlign - misaligned) & (kAlign - 1)) / 2;
     }
     // Rows [row0, row0 + 64) of one head of a contiguous [B, T, H, DP] tensor into a swizzled tile
     // (sw128_offset) by the CTA's threads; rows at or past T are zeros.
