@@ -143,7 +143,10 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
     constexpr int kDTiles = DP / 8;   // n-tiles of O
 
     extern __shared__ float4 smem_raw[];
-    unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) / 1024 * 1024);
+    // 1024-aligned by an offset from the shared array itself, so that the tiles stay shared-memory
+    // pointers to the compiler (the V scan's loads were generic ones).
+    const uint32_t misaligned = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023u;
+    unsigned char* base = reinterpret_cast<unsigned char*>(smem_raw) + ((1024u - misaligned) & 1023u);
     Elem* sQ = reinterpret_cast<Elem*>(base);                                   // [DP / 64][BM][64], swizzled
     auto sK = [&](int st) { return reinterpret_cast<Elem*>(base + Tr::kQBytes + st * 2 * Tr::kTileBytes); };
     auto sV = [&](int st) { return sK(st) + TK * DP; };
