@@ -127,7 +127,8 @@ __global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParam
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int t = q0 + 16 * cw + frag_row(lane, 2 * half);
-                const float* row = p.dq_accum + ((b * T + (t < T ? t : q0)) * p.Hq + h) * DP + 64 * cb;
+                if (t >= T) continue;   // (a row past T is neither read nor written)
+                const float* row = p.dq_accum + ((b * T + t) * p.Hq + h) * DP + 64 * cb;
 #pragma unroll
                 for (int n = 0; n < 8; ++n)
                     sum[half][n] = __ldcg(reinterpret_cast<const float2*>(row + frag_col(lane, n, 2 * half)));
