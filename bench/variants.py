@@ -28,6 +28,7 @@ VARIANTS = {
     "base": [],
     "two_kernel_backward": [("kernels/bwdwg/bwdwg.cu", "fused_launch<Products>(", "bwd_launch<Products>(")],
     "defer_dq_add": [("kernels/bwdwg/fused.cuh", "kDeferDq = false;", "kDeferDq = true;")],
+    "wg_backward_at_256": [("kernels/attention.cu", "kWgAt256 = false;", "kWgAt256 = true;")],
     "not_persistent": [(WS, "kPersistent = true;", "kPersistent = false;")],
     "round_robin_walk": [(WS, "((k & 1) ? G - 1 - c : c)", "c")],
     "two_consumers_at_64": [(WS, "kConsumers = DP == 64 ? 3 : 2;", "kConsumers = DP == 64 ? 2 : 2;")],
@@ -35,7 +36,7 @@ VARIANTS = {
     "two_stages_at_128": [(WS, "kStages = DP == 64 ? 4 : DP == 128 ? 3 : 2;", "kStages = DP == 64 ? 4 : 2;")],
     "no_turns": [(WS, "kPingPong = true;", "kPingPong = false;")],
 }
-BACKWARD_SHAPES = [(4, 1024, 32, 8, 128), (1, 8192, 32, 8, 128), (16, 2048, 32, 8, 64)]
+BACKWARD_SHAPES = [(4, 1024, 32, 8, 128), (1, 8192, 32, 8, 128), (16, 2048, 32, 8, 64), (1, 2048, 16, 4, 256)]
 
 SHAPES = [(1, 1000, 6, 2, 64), (1, 1024, 8, 2, 128), (1, 777, 4, 1, 256),
           (4, 1024, 32, 8, 128), (1, 8192, 32, 8, 128), (16, 2048, 32, 8, 64),

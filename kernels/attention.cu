@@ -129,24 +129,30 @@ const char* gqa_dtype_name(int dtype) { return dtype >= 0 && dtype < 3 ? kDtypeN
 // than kRowwiseMaxT steps, the mma.sync one (bwdmma/) otherwise (so the tests reach both on one
 // GPU); everything else on the row-wise kernels compiled in here.
 namespace {
+// The wgmma unit at head_dim 256 too (two CTAs a tile, each half of the output columns; bench/NOTES.md
+// v45): off until measured against the row-wise kernels.
+constexpr bool kWgAt256 = false;
 enum BwdKind { kBwdRows = 0, kBwdMma = 1, kBwdWg = 2 };
 BwdKind backward_kind(const GqaBwdParams& p) {
-    if (p.dtype == kGqaFloat32 || (p.D != 64 && p.D != 128)) return kBwdRows;
+    const bool narrow = p.D == 64 || p.D == 128;
+    if (p.dtype == kGqaFloat32 || !(narrow || (kWgAt256 && p.D == 256))) return kBwdRows;
     int dev = 0;
-    return kHaveWgmma && p.T > kRowwiseMaxT && cudaGetDevice(&dev) == cudaSuccess && cc_major(dev) == 9 ? kBwdWg : kBwdMma;
+    const bool wg = kHaveWgmma && p.T > kRowwiseMaxT && cudaGetDevice(&dev) == cudaSuccess && cc_major(dev) == 9;
+    return wg ? kBwdWg : narrow ? kBwdMma : kBwdRows;
 }
+int width_index(int width) { return width == 64 ? 0 : width == 128 ? 1 : 2; }
 const char* backward_unit_name(BwdKind kind, int dtype, int width) {
-    static const char* const kNames[2][2][2] = {
-        {{"bwdmma/fp16/d64", "bwdmma/fp16/d128"}, {"bwdmma/bf16/d64", "bwdmma/bf16/d128"}},
-        {{"bwdwg/fp16/d64", "bwdwg/fp16/d128"}, {"bwdwg/bf16/d64", "bwdwg/bf16/d128"}}};
-    return kNames[kind - 1][dtype - 1][width == 64 ? 0 : 1];
+    static const char* const kNames[2][2][3] = {
+        {{"bwdmma/fp16/d64", "bwdmma/fp16/d128", "?"}, {"bwdmma/bf16/d64", "bwdmma/bf16/d128", "?"}},
+        {{"bwdwg/fp16/d64", "bwdwg/fp16/d128", "bwdwg/fp16/d256"}, {"bwdwg/bf16/d64", "bwdwg/bf16/d128", "bwdwg/bf16/d256"}}};
+    return kNames[kind - 1][dtype - 1][width_index(width)];
 }
-std::atomic<GqaBwdLauncher> g_bwd_launchers[2][3][2];
+std::atomic<GqaBwdLauncher> g_bwd_launchers[2][3][3];
 
-// A tensor-core unit of the backward (kind, 16-bit dtype, width 64 or 128), asked once from the
-// loader and kept (null: unavailable).
+// A tensor-core unit of the backward (kind, 16-bit dtype, width 64 or 128, or 256 for wgmma), asked
+// once from the loader and kept (null: unavailable).
 GqaBwdLauncher backward_launcher(BwdKind kind, int dtype, int width) {
-    std::atomic<GqaBwdLauncher>& slot = g_bwd_launchers[kind - 1][dtype][width == 64 ? 0 : 1];
+    std::atomic<GqaBwdLauncher>& slot = g_bwd_launchers[kind - 1][dtype][width_index(width)];
     GqaBwdLauncher launch = slot.load(std::memory_order_acquire);
     if (launch != nullptr) return launch;
     const GqaModuleLoader loader = g_loader.load();
@@ -164,10 +170,10 @@ const char* gqa_backward_plan(const GqaBwdParams& p) {
     return kind == kBwdRows ? kRows[p.dtype] : backward_unit_name(kind, p.dtype, p.D);
 }
 
-// The wgmma unit sums dQ over its key tiles in fp32 (a row per query row and head, D wide) and
-// orders those sums with a counter per (batch, head, 64-row query tile).
+// The wgmma unit's fused kernel (widths 64 and 128) sums dQ over its key tiles in fp32 (a row per
+// query row and head, D wide) and orders those sums with a counter per (batch, head, 64-row query tile).
 int64_t gqa_backward_workspace_floats(const GqaBwdParams& p) {
-    if (backward_kind(p) != kBwdWg) return 0;
+    if (backward_kind(p) != kBwdWg || p.D == 256) return 0;
     return int64_t(p.B) * p.T * p.Hq * p.D + int64_t(p.B) * p.Hq * ((p.T + 63) / 64);
 }
 
@@ -197,7 +203,8 @@ int gqa_load_every_plan() {
     for (BwdKind kind : {kBwdMma, kBwdWg}) {
         if (kind == kBwdWg && !kHaveWgmma) continue;
         for (int dtype : {kGqaFloat16, kGqaBFloat16})
-            for (int width : {64, 128}) missing += backward_launcher(kind, dtype, width) == nullptr;
+            for (int width : {64, 128, 256})
+                if (width != 256 || (kind == kBwdWg && kWgAt256)) missing += backward_launcher(kind, dtype, width) == nullptr;
     }
     return missing;
 }

@@ -10,7 +10,9 @@ namespace {
 template <bool kBf16_, int DP_> struct MmaProducts {
     static constexpr bool kBf16 = kBf16_;
     static constexpr int DP = DP_, LD = DP + 8, kTileHalves = kTile * LD, kAlign = 16;
+    static constexpr int kOut = DP;   // every output column in one CTA
     static __device__ __forceinline__ uint16_t* aligned(uint16_t* smem) { return smem; }
+    static __device__ __forceinline__ const uint16_t* columns(const uint16_t* tile, int col0) { return tile + col0; }
     // Rows [row0, row0 + 64) of one head of a contiguous [B, T, H, DP] tensor into a tile, 16 bytes
     // a copy; rows at or past T are zeros.
     static __device__ __forceinline__ void load(uint16_t* tile, const uint16_t* base, int64_t b, int row0, int head,

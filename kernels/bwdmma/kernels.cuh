@@ -56,7 +56,8 @@ __device__ __forceinline__ BwdCta bwd_cta(int B, int heads) {
 template <class Pol, bool kStats = false>
 __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams p) {
     constexpr bool kBf16 = Pol::kBf16;
-    constexpr int DP = Pol::DP, H = Pol::kTileHalves;
+    constexpr int DP = Pol::DP, H = Pol::kTileHalves, OUT = Pol::kOut;
+    const int col0 = int(blockIdx.y) * OUT;   // this CTA's dQ columns (Pol::kOut < DP: a grid of DP / kOut)
     extern __shared__ __align__(16) uint16_t smem_raw[];
     uint16_t* smem = Pol::aligned(smem_raw);
     // Q, dO, then two stages of (K, V): pass 1 alternates K between the first stage's two tiles,
@@ -167,7 +168,7 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
     for (int half = 0; half < 2; ++half) lse2[half] = kept ? given[half] : m[half] + log2f(l[half]);
 
     // Pass 2: dQ. Key tile kt sits in stage (kt + 1) % 2; the next one loads during this one.
-    float dq[1][DP / 8][4] = {};
+    float dq[1][OUT / 8][4] = {};
     for (int kt = 0; kt <= (kStats ? -1 : qt); ++kt) {
         const int st = (kt + 1) & 1;
         if (kt < qt) {
@@ -196,7 +197,7 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[0][n][e] *= dp[0][n][e] - delta[e >> 1];   // dS
         uint32_t pa[kTile / 16][4];
-        Pol::pv_issue(dq, pa, s, k_of(st), lane);
+        Pol::pv_issue(dq, pa, s, Pol::columns(k_of(st), col0), lane);
         Pol::template wait<0>();
         Pol::settle(dq);
         __syncthreads();   // this stage takes tile kt + 2, issued at the top of the next iteration
@@ -207,12 +208,12 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
         const int t = q0 + 16 * warp + frag_row(lane, 2 * half);
         if (t >= p.T) continue;
         const int64_t row = (b * p.T + t) * p.Hq + h;
-        uint16_t* out = static_cast<uint16_t*>(p.dq) + row * DP;
+        uint16_t* out = static_cast<uint16_t*>(p.dq) + row * DP + col0;
 #pragma unroll
-        for (int n = 0; n < DP / 8; ++n)
+        for (int n = 0; n < OUT / 8; ++n)
             if (!kStats)
                 store_pair(out + frag_col(lane, n, 2 * half), dq[0][n][2 * half] * p.scale, dq[0][n][2 * half + 1] * p.scale, bf16);
-        if ((lane & 3) == 0) {
+        if ((lane & 3) == 0 && col0 == 0) {
             p.lse2[row] = lse2[half];
             p.delta[row] = delta[half];
         }
@@ -224,7 +225,8 @@ template <class Pol>
 __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdParams p) {
     if (*p.nonfinite) return;   // the row-wise kernels take this call
     constexpr bool kBf16 = Pol::kBf16;
-    constexpr int DP = Pol::DP, H = Pol::kTileHalves;
+    constexpr int DP = Pol::DP, H = Pol::kTileHalves, OUT = Pol::kOut;
+    const int col0 = int(blockIdx.y) * OUT;   // this CTA's dK and dV columns
     extern __shared__ __align__(16) uint16_t smem_raw[];
     uint16_t* smem = Pol::aligned(smem_raw);
     uint16_t *k_tile = smem, *v_tile = smem + H;
@@ -260,7 +262,7 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdPara
     load_step(0, 0);
     cp_async_commit();
 
-    float dk[1][DP / 8][4] = {}, dv[1][DP / 8][4] = {};
+    float dk[1][OUT / 8][4] = {}, dv[1][OUT / 8][4] = {};
     for (int i = 0; i < steps; ++i) {
         const int st = i & 1, q0 = (kt + i / p.group) * kTile;
         if (i + 1 < steps) load_step(i + 1, st ^ 1);
@@ -287,7 +289,7 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdPara
                 s[0][n][e] = masked ? 0.f : fast_exp2(s[0][n][e] * p.scale_log2 - lse2_t[c]);   // P^T
             }
         uint32_t pa[kTile / 16][4], pa2[kTile / 16][4];
-        Pol::pv_issue(dv, pa, s, do_tile(st), lane);   // dV += P^T dO
+        Pol::pv_issue(dv, pa, s, Pol::columns(do_tile(st), col0), lane);   // dV += P^T dO
         Pol::template wait<1>();   // dP^T; dV still running
         Pol::settle(dp);
 #pragma unroll
@@ -297,7 +299,7 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdPara
                 const int c = frag_col(lane, n, e);
                 dp[0][n][e] = s[0][n][e] * (dp[0][n][e] - delta_t[c]);   // dS^T
             }
-        Pol::pv_issue(dk, pa2, dp, q_tile(st), lane);   // dK += dS^T Q
+        Pol::pv_issue(dk, pa2, dp, Pol::columns(q_tile(st), col0), lane);   // dK += dS^T Q
         Pol::template wait<0>();
         Pol::settle(dv);
         Pol::settle(dk);
@@ -309,10 +311,10 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdPara
         const int j = k0 + 16 * warp + frag_row(lane, 2 * half);
         if (j >= p.T) continue;
         const int64_t row = (b * p.T + j) * p.Hkv + kv_head;
-        uint16_t* dk_out = static_cast<uint16_t*>(p.dk) + row * DP;
-        uint16_t* dv_out = static_cast<uint16_t*>(p.dv) + row * DP;
+        uint16_t* dk_out = static_cast<uint16_t*>(p.dk) + row * DP + col0;
+        uint16_t* dv_out = static_cast<uint16_t*>(p.dv) + row * DP + col0;
 #pragma unroll
-        for (int n = 0; n < DP / 8; ++n) {
+        for (int n = 0; n < OUT / 8; ++n) {
             const int c = frag_col(lane, n, 2 * half);
             store_pair(dk_out + c, dk[0][n][2 * half] * p.scale, dk[0][n][2 * half + 1] * p.scale, bf16);
             store_pair(dv_out + c, dv[0][n][2 * half], dv[0][n][2 * half + 1], bf16);
@@ -333,10 +335,11 @@ cudaError_t bwd_launch(const GqaBwdParams& p, cudaStream_t stream, int dev) {
     if (err != cudaSuccess) return err;
     err = raise_smem_limit(gqa_bwd_dkdv_kernel<Pol>, dkdv_smem, dev, raised_dkdv);
     if (err != cudaSuccess) return err;
-    gqa_bwd_dq_kernel<Pol><<<unsigned(dq_ctas), kThreads, dq_smem, stream>>>(p);
+    constexpr unsigned kHalves = Pol::DP / Pol::kOut;   // CTAs a tile, each its output columns
+    gqa_bwd_dq_kernel<Pol><<<dim3(unsigned(dq_ctas), kHalves), kThreads, dq_smem, stream>>>(p);
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
-    gqa_bwd_dkdv_kernel<Pol><<<unsigned(dkdv_ctas), kThreads, dkdv_smem, stream>>>(p);
+    gqa_bwd_dkdv_kernel<Pol><<<dim3(unsigned(dkdv_ctas), kHalves), kThreads, dkdv_smem, stream>>>(p);
     return cudaGetLastError();
 }
 

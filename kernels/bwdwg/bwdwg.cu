@@ -10,6 +10,13 @@ namespace {
 template <bool kBf16_, int DP_> struct WgProducts {
     static constexpr bool kBf16 = kBf16_;
     static constexpr int DP = DP_, kTileHalves = kTile * DP, kAlign = 1024;   // swizzled rows carry no padding
+    // Output columns (of dQ, dK, dV) a CTA computes: all of them, or at width 256 one half, so that
+    // the accumulators are those of width 128 (a grid of two halves; S and dP take all 256).
+    static constexpr int kOut = DP == 256 ? 128 : DP;
+    // Columns col0 .. of a tile: its 64-column blocks are kTile rows of 128 bytes each.
+    static __device__ __forceinline__ const uint16_t* columns(const uint16_t* tile, int col0) {
+        return tile + (col0 / 64) * kTile * 64;
+    }
     // By an offset from the shared array itself, so that the tiles stay shared-memory pointers to
     // the compiler (LDS and STS, not generic loads and stores).
     static __device__ __forceinline__ uint16_t* aligned(uint16_t* smem) {
@@ -32,10 +39,10 @@ template <bool kBf16_, int DP_> struct WgProducts {
     }
     // Issues o += P B, P the fp32 s rounded to 16 bits into pa (the A operand from registers), as
     // one commit group: neither o nor pa may be touched before the matching wait.
-    static __device__ __forceinline__ void pv_issue(float (&o)[1][DP / 8][4], uint32_t (&pa)[kTile / 16][4],
+    static __device__ __forceinline__ void pv_issue(float (&o)[1][kOut / 8][4], uint32_t (&pa)[kTile / 16][4],
                                                     const float (&s)[1][kTile / 8][4], const uint16_t* b, int) {
         pack_p<kBf16>(pa, s[0]);
-        pv_wgmma<kBf16, DP, kTile>(o[0], pa, b);
+        pv_wgmma<kBf16, kOut, kTile>(o[0], pa, b);
         wg_commit();
     }
     // Until at most N issued groups are still running.
@@ -46,7 +53,8 @@ template <bool kBf16_, int DP_> struct WgProducts {
     }
 };
 
-static_assert(GQA_DTYPE != kGqaFloat32 && (GQA_WIDTH == 64 || GQA_WIDTH == 128), "a unit for fp16 or bf16 at width 64 or 128");
+static_assert(GQA_DTYPE != kGqaFloat32 && (GQA_WIDTH == 64 || GQA_WIDTH == 128 || GQA_WIDTH == 256),
+              "a unit for fp16 or bf16 at width 64, 128 or 256");
 using Products = WgProducts<GQA_DTYPE == kGqaBFloat16, GQA_WIDTH>;
 
 }  // namespace
@@ -54,5 +62,10 @@ using Products = WgProducts<GQA_DTYPE == kGqaBFloat16, GQA_WIDTH>;
 extern "C" int gqa_launch_bwdwg(const GqaBwdParams* p, void* stream) {
     int dev = 0;
     const cudaError_t err = cudaGetDevice(&dev);
-    return int(err != cudaSuccess ? err : fused_launch<Products>(*p, static_cast<cudaStream_t>(stream), dev));
+    if (err != cudaSuccess) return int(err);
+    if constexpr (GQA_WIDTH == 256) {   // the two kernels, in column halves (the fused one's tiles do not fit)
+        return int(bwd_launch<Products>(*p, static_cast<cudaStream_t>(stream), dev));
+    } else {
+        return int(fused_launch<Products>(*p, static_cast<cudaStream_t>(stream), dev));
+    }
 }
