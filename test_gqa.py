@@ -1559,11 +1559,14 @@ def reference_grads(q, k, v, grad_out):
     return q64.grad, k64.grad, v64.grad
 
 
-def tensor_core_backward(T):
-    """The family of the 16-bit tensor-core backward at head_dim 64 and 128 for T steps: wgmma on an
-    sm_90 GPU with an sm_90a build past 128 steps, mma.sync otherwise (kernels/attention.cu)."""
+def tensor_core_backward(T, D=64):
+    """The family of the 16-bit tensor-core backward for T steps at head_dim D, or None: wgmma on an
+    sm_90 GPU with an sm_90a build past 128 steps (head_dim 64, 128 and 256), mma.sync otherwise
+    (64 and 128), none at other head dims (kernels/attention.cu)."""
     sm90a = any(plan.startswith("wgmma/") for plan in gqa_module.all_plans())
-    return "bwdwg" if T > 128 and sm90a and torch.cuda.get_device_capability() == (9, 0) else "bwdmma"
+    if T > 128 and sm90a and torch.cuda.get_device_capability() == (9, 0) and D in (64, 128, 256):
+        return "bwdwg"
+    return "bwdmma" if D in (64, 128) else None
 
 
 def project_grads(q, k, v, grad_out):
@@ -1614,14 +1617,15 @@ def test_gpu_backward_fp32_matches_float64(B, T, Hq, Hkv, D):
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("B, T, Hq, Hkv, D", [(2, 1, 8, 2, 64), (1, 65, 4, 1, 40), (2, 1000, 8, 2, 128),
-                                              (1, 300, 4, 4, 256), (1, 4097, 4, 2, 64), (1, 700, 8, 8, 64),
+                                              (1, 300, 4, 4, 256), (1, 1000, 4, 2, 256), (1, 4097, 4, 2, 64), (1, 700, 8, 8, 64),
                                               (2, 1500, 6, 1, 128)])
 def test_gpu_backward_16bit_within_twice_sdpa(B, T, Hq, Hkv, D, dtype):
     """fp16 and bf16 gradients: norm-relative error against float64 at most 2x that of SDPA's own
     gradients on the same inputs, plus 1e-3."""
     q, k, v = make_qkv(B, T, Hq, Hkv, D, device="cuda", dtype=dtype)
     name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-    expected = "%s/%s/d%d" % (tensor_core_backward(T), name, D) if D in (64, 128) else "backward/" + name
+    family = tensor_core_backward(T, D)
+    expected = "%s/%s/d%d" % (family, name, D) if family else "backward/" + name
     assert gqa_module.backward_plan(q, k, v) == expected
     grad_out = torch.randn_like(q)
     exact = reference_grads(q, k, v, grad_out)
@@ -1647,13 +1651,13 @@ def test_gpu_backward_is_deterministic(dtype, T):
 
 @needs_gpu
 @pytest.mark.parametrize("dtype, D, T", [(torch.float32, 16, 140), (torch.bfloat16, 64, 120), (torch.bfloat16, 64, 140),
-                                         (torch.float16, 128, 120), (torch.float16, 128, 140)])
+                                         (torch.float16, 128, 120), (torch.float16, 128, 140), (torch.bfloat16, 256, 140)])
 def test_gpu_backward_nonfinite_like_reference(dtype, D, T):
     """Inf and NaN in q, k and v: the gradients are NaN exactly where float64 autograd's are, and
     close to them elsewhere (fp32: allclose 1e-4; 16-bit: norm-relative 2e-2)."""
     q, k, v = make_qkv(1, T, 4, 2, D, device="cuda", dtype=dtype)
     name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-    plan = "backward/fp32" if dtype == torch.float32 else "%s/%s/d%d" % (tensor_core_backward(T), name, D)
+    plan = "backward/fp32" if dtype == torch.float32 else "%s/%s/d%d" % (tensor_core_backward(T, D), name, D)
     assert gqa_module.backward_plan(q, k, v) == plan
     q[0, 5, 1, 3] = float("inf")
     k[0, 9, 0, 2] = float("-inf")
@@ -1821,7 +1825,7 @@ def test_sanitizer_cases_take_their_plans_and_cover_every_plan():
         sorted(plans - declared), sorted(declared - plans))
     plans |= {"backward/fp32", "backward/fp16", "backward/bf16"} | {
         "%s/%s/d%d" % (family, dtype, width) for family in ("bwdmma", "bwdwg") for dtype in ("fp16", "bf16")
-        for width in (64, 128)}
+        for width in ((64, 128, 256) if family == "bwdwg" else (64, 128))}
     assert set(sanitize.BACKWARD_PLANS) == plans - declared
     finite = {case[0] for case, nonfinite in sanitize.runs() if not nonfinite}
     nonfinite = {case[0] for case, nonfinite in sanitize.runs() if nonfinite}

@@ -122,6 +122,8 @@ BACKWARD_CASES = (
     ("bwdwg/fp16/d128",           2, 200,  4,  4, 128, "fp16", False, False),  # offset rows, MHA
     ("bwdwg/bf16/d64",            1, 300,  4,  1,  64, "bf16", True,  False),  # MQA
     ("bwdwg/bf16/d128",           1, 257,  8,  2, 128, "bf16", True,  False),
+    ("bwdwg/fp16/d256",           1, 130,  4,  2, 256, "fp16", True,  False),  # 3 tiles, the last of 2 rows
+    ("bwdwg/bf16/d256",           2, 193,  2,  2, 256, "bf16", False, False),  # offset rows, MHA
 )
 
 

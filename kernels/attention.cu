@@ -127,11 +127,12 @@ const char* gqa_dtype_name(int dtype) { return dtype >= 0 && dtype < 3 ? kDtypeN
 // The backward: fp16 and bf16 at head_dim 64 and 128 on a tensor-core unit, built on first use like
 // the forward units: the wgmma one (bwdwg/, sm_90a) on an sm_90 GPU of an sm_90a build for more
 // than kRowwiseMaxT steps, the mma.sync one (bwdmma/) otherwise (so the tests reach both on one
-// GPU); everything else on the row-wise kernels compiled in here.
+// GPU); head_dim 256 on the wgmma one where it runs; everything else on the row-wise kernels
+// compiled in here.
 namespace {
 // The wgmma unit at head_dim 256 too (two CTAs a tile, each half of the output columns; bench/NOTES.md
-// v45): off until measured against the row-wise kernels.
-constexpr bool kWgAt256 = false;
+// v45).
+constexpr bool kWgAt256 = true;
 enum BwdKind { kBwdRows = 0, kBwdMma = 1, kBwdWg = 2 };
 BwdKind backward_kind(const GqaBwdParams& p) {
     const bool narrow = p.D == 64 || p.D == 128;
