@@ -57,7 +57,7 @@ template <class Pol, bool kStats = false>
 __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams p) {
     constexpr bool kBf16 = Pol::kBf16;
     constexpr int DP = Pol::DP, H = Pol::kTileHalves, OUT = Pol::kOut;
-    const int col0 = int(blockIdx.y) * OUT;   // this CTA's dQ columns (Pol::kOut < DP: a grid of DP / kOut)
+    const int col0 = OUT == DP ? 0 : int(blockIdx.y) * OUT;   // this CTA's dQ columns (OUT < DP: a grid of DP / OUT)
     extern __shared__ __align__(16) uint16_t smem_raw[];
     uint16_t* smem = Pol::aligned(smem_raw);
     // Q, dO, then two stages of (K, V): pass 1 alternates K between the first stage's two tiles,
@@ -226,7 +226,7 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdPara
     if (*p.nonfinite) return;   // the row-wise kernels take this call
     constexpr bool kBf16 = Pol::kBf16;
     constexpr int DP = Pol::DP, H = Pol::kTileHalves, OUT = Pol::kOut;
-    const int col0 = int(blockIdx.y) * OUT;   // this CTA's dK and dV columns
+    const int col0 = OUT == DP ? 0 : int(blockIdx.y) * OUT;   // this CTA's dK and dV columns
     extern __shared__ __align__(16) uint16_t smem_raw[];
     uint16_t* smem = Pol::aligned(smem_raw);
     uint16_t *k_tile = smem, *v_tile = smem + H;
