@@ -22,17 +22,18 @@ import tempfile
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WS = "kernels/ws/kernel.cuh"
+FUSED = ("kernels/bwdwg/bwdwg.cu", "kFusedBackward = false;", "kFusedBackward = true;")
 
 # name -> [(file, old text, new text)]; "base" is the checkout as it is. Timed in this order.
 VARIANTS = {
     "base": [],
-    "two_kernel_backward": [("kernels/bwdwg/bwdwg.cu", "fused_launch<Products>(", "bwd_launch<Products>(")],
-    "defer_dq_add": [("kernels/bwdwg/fused.cuh", "kDeferDq = false;", "kDeferDq = true;")],
-    "wg_backward_at_256": [("kernels/attention.cu", "kWgAt256 = false;", "kWgAt256 = true;")],
+    "fused_backward": [FUSED],
+    "defer_dq_add": [FUSED, ("kernels/bwdwg/fused.cuh", "kDeferDq = false;", "kDeferDq = true;")],
+    "rowwise_backward_at_256": [("kernels/attention.cu", "kWgAt256 = true;", "kWgAt256 = false;")],
     "not_persistent": [(WS, "kPersistent = true;", "kPersistent = false;")],
     "round_robin_walk": [(WS, "((k & 1) ? G - 1 - c : c)", "c")],
-    "two_consumers_at_64": [(WS, "kConsumers = DP == 64 ? 3 : 2;", "kConsumers = DP == 64 ? 2 : 2;")],
-    "no_overlap_at_256": [(WS, "kOverlap = true;", "kOverlap = DP <= 128;")],
+    "three_consumers_at_64": [(WS, "kConsumers = 2;", "kConsumers = DP == 64 ? 3 : 2;")],
+    "overlap_at_256": [(WS, "kOverlap = DP <= 128;", "kOverlap = true;")],
     "two_stages_at_128": [(WS, "kStages = DP == 64 ? 4 : DP == 128 ? 3 : 2;", "kStages = DP == 64 ? 4 : 2;")],
     "no_turns": [(WS, "kPingPong = true;", "kPingPong = false;")],
 }

@@ -63,9 +63,9 @@ template <int kConsumers> __device__ __forceinline__ void turn_pass(int wg) {
 // Configuration. A stage holds a K and a V tile in 64-column blocks of [keys][128 bytes], the
 // layout TMA's 128-byte swizzle writes and the wgmma descriptors read (sw128_offset).
 template <int DP> struct WsTraits {
-    // Consumer warpgroups, 64 packed rows each: three at width 64, where the softmax's exponentials
-    // take as long as the products and more warps hide them; two elsewhere (O's registers).
-    static constexpr int kConsumers = DP == 64 ? 3 : 2;
+    // Consumer warpgroups, 64 packed rows each. Two at every width: at width 64 three measured 3%
+    // slower at (16, 2048, 32, 8, 64) and 20% slower at T = 1000 (NOTES v46).
+    static constexpr int kConsumers = 2;
     static constexpr int kBlockM = 64 * kConsumers;     // packed rows per CTA
     // setmaxnreg: the producer's registers and the consumers' (a multiple of 8; in all <= 64K).
     static constexpr int kProducerRegs = kConsumers == 2 ? 40 : 24;
@@ -78,9 +78,9 @@ template <int DP> struct WsTraits {
     // 1.35x of 2 when a stage's K and V were freed together; at 256, 2 fill the shared memory.
     static constexpr int kStages = DP == 64 ? 4 : DP == 128 ? 3 : 2;
     static constexpr bool kPingPong = true;             // the consumers take turns issuing products
-    // S of tile n + 1 beside P V of tile n. At width 256 (O: 128 registers) a few values spill
-    // around the exact non-finite step and are reloaded once a tile.
-    static constexpr bool kOverlap = true;
+    // S of tile n + 1 beside P V of tile n, up to width 128. At width 256 (O: 128 registers) the
+    // overlap spills around the exact non-finite step and measured 2% slower (NOTES v46).
+    static constexpr bool kOverlap = DP <= 128;
     // One CTA per SM walking tiles (false: a CTA per tile, the same kernel taking one tile each).
     static constexpr bool kPersistent = true;
     static constexpr int kTileBytes = kKeys * DP * 2;   // one K or V tile
