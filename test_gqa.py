@@ -966,6 +966,36 @@ def test_gpu_wgmma_many_tiles_per_cta(dtype, D, group, packed):
     check_half(call_poisoned(q, k, v), q, k, v, "many tiles per CTA, group %d" % group)
 
 
+
+def ws_l2_section_bytes():
+    """WsTraits::kL2SectionBytes, read from the kernel's source."""
+    with open(os.path.join(HERE, "kernels", "ws", "kernel.cuh")) as fh:
+        found = re.findall(r"kL2SectionBytes = int64_t\((\d+)\) << 20;", fh.read())
+    assert len(found) == 1, "kL2SectionBytes not found once in kernels/ws/kernel.cuh"
+    return int(found[0]) << 20
+
+
+def test_ws_l2_section_bytes_is_read_from_the_kernel():
+    assert ws_l2_section_bytes() >= 1 << 20
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype, B, T, Hkv, group, D", [(torch.bfloat16, 8, 1000, 25, 2, 64),
+                                                        (torch.float16, 2, 4097, 12, 3, 128)])
+def test_gpu_wgmma_tiles_in_l2_sections(dtype, B, T, Hkv, group, D):
+    """K and V of all (batch, kv head) pairs together past twice WsTraits::kL2SectionBytes, so the
+    warp-specialised kernel walks its tiles in sections of pairs, the last section holding fewer
+    pairs than the others: every element within check_half's bound of the float64 reference, none
+    left unwritten."""
+    budget, pairs, pair_bytes = ws_l2_section_bytes(), B * Hkv, T * D * 2 * 2
+    assert pairs * pair_bytes > 2 * budget
+    section = min(pairs, max(1, budget // pair_bytes))
+    assert 1 < section < pairs and pairs % section != 0, "sections of %d pairs of %d" % (section, pairs)
+    q, k, v = make_qkv(B, T, Hkv * group, Hkv, D, device="cuda", dtype=dtype)
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    assert gqa_module.plan(q, k, v) == "wgmma/%s/d%d" % (name, D)
+    check_half(call_poisoned(q, k, v), q, k, v, "L2 sections of %d pairs of %d" % (section, pairs))
+
 ACCURACY_SHAPES = [(2, 1024, 32, 8, 128), (1, 2048, 16, 4, 64), (2, 1536, 12, 4, 96)]
 
 

@@ -83,7 +83,8 @@ template <int DP> struct WsTraits {
     static constexpr bool kOverlap = DP <= 128;
     // One CTA per SM walking tiles (false: a CTA per tile, the same kernel taking one tile each).
     static constexpr bool kPersistent = true;
-    // The L2 share that one section's K and V may take (ws_tile; 0: one section of every pair).
+    // The L2 share that one section's K and V may take (ws_tile, launch_ws; 0: one section of every
+    // pair). 24 MB measured 1.07x at (16, 2048, 32, 8, 64) and 1.03x at (1, 32768, 32, 8, 128).
     static constexpr int64_t kL2SectionBytes = int64_t(24) << 20;
     static constexpr int kTileBytes = kKeys * DP * 2;   // one K or V tile
     static constexpr int kQBytes = kBlockM * DP * 2;
@@ -104,7 +105,8 @@ struct WsMaps {
 // `section` pairs (the last one may hold fewer), one section after another; within a section the
 // tiles are numbered longest rows first (the last row tile of every pair of the section, then the
 // one before, ...). A section's K and V fit in L2 beside the rest of the traffic (WsTraits::
-// kL2SectionBytes), so the CTAs that run at once read K/V tiles that other CTAs have just brought in.
+// kL2SectionBytes), so the CTAs that run at once read K/V tiles that other CTAs have just brought in;
+// launch_ws says when there is more than one section.
 struct WsTile {
     int b, kvh, r0, t_lo, n_kv;   // batch, kv head, first packed row, its time step, K/V tiles
 };
@@ -474,8 +476,12 @@ cudaError_t launch_ws(const GqaParams& p, cudaStream_t stream, int dev) {
     const int64_t tiles = packed_tile_grid(p, Tr::kBlockM, dv);
     if (tiles < 0) return cudaErrorInvalidConfiguration;
     const int64_t ctas = Tr::kPersistent && tiles > sm_count(dev) ? sm_count(dev) : tiles;
+    // Sections only where every pair's K and V together exceed twice a section's share: where they
+    // fit, the order longest first over all pairs balances the CTAs better (the walk is static, and a
+    // section's first, longest tiles after the last one's shortest undo the snake; NOTES v47).
     const int64_t pairs = int64_t(p.B) * p.Hkv, pair_bytes = int64_t(p.T) * p.D * 2 * 2;   // K and V, 16-bit
-    const int64_t section = Tr::kL2SectionBytes > 0 ? std::min(pairs, std::max<int64_t>(1, Tr::kL2SectionBytes / pair_bytes)) : pairs;
+    const bool sections = Tr::kL2SectionBytes > 0 && pairs * pair_bytes > 2 * Tr::kL2SectionBytes;
+    const int64_t section = sections ? std::min(pairs, std::max<int64_t>(1, Tr::kL2SectionBytes / pair_bytes)) : pairs;
     kernel<<<unsigned(ctas), Tr::kThreads, Tr::kSmemBytes, stream>>>(maps, p, dv, int(tiles), int(section), q_tma ? 1 : 0);
     return cudaGetLastError();
 }
