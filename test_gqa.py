@@ -1707,6 +1707,26 @@ def test_gpu_backward_nonfinite_like_reference(dtype, D, T):
 
 
 @needs_gpu
+@pytest.mark.parametrize("dtype, D", [(torch.bfloat16, 64), (torch.float16, 128)])
+@pytest.mark.parametrize("which", ["q", "k", "v", "grad_out"])
+def test_gpu_backward_nonfinite_at_either_end(dtype, D, which):
+    """One Inf or NaN alone, at the first or the last element of q, k, v or grad_out, where the
+    inputs' scan (16-byte loads over each tensor) starts and ends: the tensor-core plan then hands
+    the call to the row-wise kernels, and the gradients are NaN exactly where float64 autograd's are."""
+    B, T, Hq, Hkv = 1, 140, 4, 2
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    for index, value in ((0, float("inf")), (-1, float("nan"))):
+        q, k, v = make_qkv(B, T, Hq, Hkv, D, device="cuda", dtype=dtype)
+        assert gqa_module.backward_plan(q, k, v) == "%s/%s/d%d" % (tensor_core_backward(T, D), name, D)
+        grad_out = torch.randn_like(q)
+        tensors = dict(q=q, k=k, v=v, grad_out=grad_out)
+        tensors[which].view(-1)[index] = value
+        got, ref = project_grads(q, k, v, grad_out), reference_grads(q, k, v, grad_out)
+        for grad_name, a, b in zip(("dq", "dk", "dv"), got, ref):
+            assert torch.equal(torch.isnan(a), torch.isnan(b)), (which, index, grad_name)
+            assert torch.equal(torch.isfinite(a), torch.isfinite(b)), (which, index, grad_name)
+
+@needs_gpu
 @pytest.mark.parametrize("dtype, D, plan", [(torch.float16, 128, "bwdmma/fp16/d128"),
                                             (torch.bfloat16, 64, "bwdmma/bf16/d64"),
                                             (torch.float32, 40, "backward/fp32")])

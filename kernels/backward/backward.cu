@@ -176,28 +176,57 @@ cudaError_t launch_backward_rows(const GqaBwdParams& p, cudaStream_t stream) {
     return cudaGetLastError();
 }
 
-// Sets *p.nonfinite when q, k, v, o or dout holds Inf or NaN (the flag starts at zero).
+// Whether the element of w under the exponent mask `exp` is Inf or NaN: that field all ones.
+__device__ __forceinline__ bool exp_all_ones(uint32_t w, uint32_t exp) { return (w & exp) == exp; }
+
+// Whether any of the n elements at x (16-byte aligned: the binding's packed copies) is Inf or NaN,
+// over this thread's share of the grid: 16-byte loads, kLoads in flight, then the last n % kVec
+// elements one at a time. `exp` is the exponent mask of one element (an fp32's, or a 16-bit one's
+// in the low half of a word).
+template <typename Elem>
+__device__ __forceinline__ bool any_nonfinite(const Elem* x, int64_t n, uint32_t exp, int64_t tid, int64_t threads) {
+    using Bits = typename std::conditional<sizeof(Elem) == 4, uint32_t, uint16_t>::type;
+    constexpr int kVec = 16 / sizeof(Elem), kLoads = 4;
+    const uint32_t high = exp << 16;   // a 16-bit pair's second element
+    const int64_t vecs = n / kVec;
+    const uint4* body = reinterpret_cast<const uint4*>(x);
+    bool bad = false;
+    for (int64_t i = tid; i < vecs; i += kLoads * threads) {
+        uint4 w[kLoads];
+#pragma unroll
+        for (int u = 0; u < kLoads; ++u) w[u] = i + u * threads < vecs ? __ldg(body + i + u * threads) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int u = 0; u < kLoads; ++u) {
+            const uint32_t words[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) bad |= exp_all_ones(words[j], exp) | (sizeof(Elem) == 2 && exp_all_ones(words[j], high));
+        }
+    }
+    const Bits* bits = reinterpret_cast<const Bits*>(x);
+    for (int64_t i = vecs * kVec + tid; i < n; i += threads) bad |= exp_all_ones(bits[i], exp);
+    return bad;
+}
+
+// Sets *p.nonfinite when q, k, v, o or dout holds Inf or NaN (the flag starts at zero). Each is
+// contiguous ([B, T, H, D]).
 template <typename Elem>
 __global__ void __launch_bounds__(256) gqa_bwd_scan_kernel(const GqaBwdParams p) {
     const int64_t nq = int64_t(p.B) * p.T * p.Hq * p.D, nkv = int64_t(p.B) * p.T * p.Hkv * p.D;
-    const bool bf16 = p.dtype == kGqaBFloat16;
-    bool bad = false;
-    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < nq; i += int64_t(gridDim.x) * blockDim.x) {
-        bad |= !isfinite(to_float(static_cast<const Elem*>(p.q)[i], bf16)) ||
-               !isfinite(to_float(static_cast<const Elem*>(p.o)[i], bf16)) ||
-               !isfinite(to_float(static_cast<const Elem*>(p.dout)[i], bf16));
-        if (i < nkv)
-            bad |= !isfinite(to_float(static_cast<const Elem*>(p.k)[i], bf16)) ||
-                   !isfinite(to_float(static_cast<const Elem*>(p.v)[i], bf16));
-    }
+    const uint32_t exp = sizeof(Elem) == 4 ? 0x7f800000u : p.dtype == kGqaBFloat16 ? 0x7f80u : 0x7c00u;
+    const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, threads = int64_t(gridDim.x) * blockDim.x;
+    const bool bad = any_nonfinite(static_cast<const Elem*>(p.q), nq, exp, tid, threads) ||
+                     any_nonfinite(static_cast<const Elem*>(p.o), nq, exp, tid, threads) ||
+                     any_nonfinite(static_cast<const Elem*>(p.dout), nq, exp, tid, threads) ||
+                     any_nonfinite(static_cast<const Elem*>(p.k), nkv, exp, tid, threads) ||
+                     any_nonfinite(static_cast<const Elem*>(p.v), nkv, exp, tid, threads);
     if (__any_sync(0xffffffffu, bad) && threadIdx.x % 32 == 0) atomicOr(p.nonfinite, 1);
 }
 
 cudaError_t scan_nonfinite(const GqaBwdParams& p, cudaStream_t stream) {
     cudaError_t err = cudaMemsetAsync(p.nonfinite, 0, sizeof(int), stream);
     if (err != cudaSuccess) return err;
-    const int64_t items = int64_t(p.B) * p.T * p.Hq * p.D;
-    const int blocks = int(std::min<int64_t>((items + 255) / 256, 4096));
+    const int64_t vecs = int64_t(p.B) * p.T * p.Hq * p.D * (p.dtype == kGqaFloat32 ? 4 : 2) / 16 + 1;
+    const int blocks = int(std::min<int64_t>((vecs + 255) / 256, 4096));
     if (p.dtype == kGqaFloat32) {
         gqa_bwd_scan_kernel<float><<<blocks, 256, 0, stream>>>(p);
     } else {
