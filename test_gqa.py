@@ -1707,6 +1707,26 @@ def test_gpu_backward_nonfinite_like_reference(dtype, D, T):
 
 
 @needs_gpu
+def test_gpu_backward_nonfinite_fallback_walks_more_rows_than_its_grid():
+    """The tensor-core plans' row-wise fallback runs four CTAs of 8 rows per SM, each walking
+    several: with more query and key rows than that grid holds, and Inf and NaN in the inputs, the
+    gradients are NaN exactly where float64 autograd's are and within 2e-2 of them elsewhere."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    B, Hq, Hkv, D = 1, 8, 8, 64
+    T = 4 * sms + 72   # 8 T rows of each kind, past the grid's 32 rows per SM
+    q, k, v = make_qkv(B, T, Hq, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    assert gqa_module.backward_plan(q, k, v) == "%s/bf16/d64" % tensor_core_backward(T, D)
+    q[0, 7, 3, 5] = float("inf")
+    v[0, T - 9, 6, 1] = float("nan")
+    grad_out = torch.randn_like(q)
+    for name, got, ref in zip(("dq", "dk", "dv"), project_grads(q, k, v, grad_out), reference_grads(q, k, v, grad_out)):
+        assert torch.equal(torch.isnan(got), torch.isnan(ref)), name
+        finite = torch.isfinite(ref)
+        assert torch.equal(torch.isfinite(got), finite), name
+        assert finite.any(), name
+        assert rel_err(got[finite], ref[finite]) <= 2e-2, name
+
+@needs_gpu
 @pytest.mark.parametrize("dtype, D", [(torch.bfloat16, 64), (torch.float16, 128)])
 @pytest.mark.parametrize("which", ["q", "k", "v", "grad_out"])
 def test_gpu_backward_nonfinite_at_either_end(dtype, D, which):
@@ -1749,8 +1769,8 @@ def test_gpu_backward_of_views_off_16_bytes(dtype, D, plan):
 @needs_gpu
 def test_gpu_backward_long_sequence_scratch_memory():
     """(1, 32768, 32, 8, 128) bf16 forward and backward: the memory beyond the inputs, the output
-    and the gradients (the backward's scratch: row statistics, dQ's fp32 sum and its counters) is at
-    most twice the inputs' size, and the gradients are finite."""
+    and the gradients (the backward's scratch: row statistics, and with the fused kernel dQ's fp32
+    sum and its counters) is at most twice the inputs' size, and the gradients are finite."""
     B, T, Hq, Hkv, D = 1, 32768, 32, 8, 128
     q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16).requires_grad_(True) for H in (Hq, Hkv, Hkv))
     grad_out = torch.randn(B, T, Hq, D, device="cuda", dtype=torch.bfloat16)

@@ -22,7 +22,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WS = "kernels/ws/kernel.cuh"
-FUSED = ("kernels/bwdwg/bwdwg.cu", "kFusedBackward = false;", "kFusedBackward = true;")
+FUSED = ("kernels/gqa_params.h", "kGqaFusedBackward = false;", "kGqaFusedBackward = true;")
 
 # name -> [(file, old text, new text)]; "base" is the checkout as it is. Timed in this order.
 VARIANTS = {

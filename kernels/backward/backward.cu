@@ -59,15 +59,15 @@ __device__ __forceinline__ float dot(const float (&a)[kBwdLaneElems], const floa
     return warp_sum(s);
 }
 
-// This warp's row of a [B, T, H, D] tensor (one warp per row, kBwdWarps rows per CTA).
+// This warp's row of a [B, T, H, D] tensor in the CTA's `unit` of kBwdWarps rows (one warp a row).
 struct WarpRow {
     int64_t row, b;
     int t, head, lane;
     bool valid;
 };
-__device__ __forceinline__ WarpRow warp_row(const GqaBwdParams& p, int heads) {
+__device__ __forceinline__ WarpRow warp_row(const GqaBwdParams& p, int heads, int64_t unit) {
     WarpRow w;
-    w.row = int64_t(blockIdx.x) * kBwdWarps + threadIdx.x / 32;
+    w.row = unit * kBwdWarps + threadIdx.x / 32;
     w.lane = threadIdx.x % 32;
     w.valid = w.row < int64_t(p.B) * p.T * heads;
     w.head = int(w.row % heads);
@@ -78,9 +78,7 @@ __device__ __forceinline__ WarpRow warp_row(const GqaBwdParams& p, int heads) {
 
 // Kernel 1: one warp per query row (b, t, h), rows in [B, T, Hq] order.
 template <typename Elem>
-__global__ void __launch_bounds__(32 * kBwdWarps) gqa_bwd_query_kernel(const GqaBwdParams p) {
-    const WarpRow w = warp_row(p, p.Hq);
-    if (!w.valid || (p.rows_if_nonfinite && *p.nonfinite == 0)) return;
+__device__ __forceinline__ void query_row(const GqaBwdParams& p, const WarpRow& w) {
     const int64_t row = w.row, b = w.b;
     const int lane = w.lane, t = w.t;
     const bool bf16 = p.dtype == kGqaBFloat16;
@@ -125,13 +123,9 @@ __global__ void __launch_bounds__(32 * kBwdWarps) gqa_bwd_query_kernel(const Gqa
 }
 
 // Kernel 2: one warp per key row (b, j, kv head), rows in [B, T, Hkv] order, so the keys with the
-// most query rows after them start first. Three CTAs per SM (at most 85 registers): left to
-// itself, ptxas's choice moved with the size of GqaBwdParams (92 registers in fp32, more spills in
-// 16-bit).
+// most query rows after them start first.
 template <typename Elem>
-__global__ void __launch_bounds__(32 * kBwdWarps, 3) gqa_bwd_key_kernel(const GqaBwdParams p) {
-    const WarpRow w = warp_row(p, p.Hkv);
-    if (!w.valid || (p.rows_if_nonfinite && *p.nonfinite == 0)) return;
+__device__ __forceinline__ void key_row(const GqaBwdParams& p, const WarpRow& w) {
     const int64_t b = w.b;
     const int lane = w.lane, j = w.t, kv_head = w.head;
     const bool bf16 = p.dtype == kGqaBFloat16;
@@ -164,15 +158,43 @@ __global__ void __launch_bounds__(32 * kBwdWarps, 3) gqa_bwd_key_kernel(const Gq
     store_row(static_cast<Elem*>(p.dv) + kd, dv, 1.f, p.D, lane, bf16);
 }
 
-template <typename Elem>
-cudaError_t launch_backward_rows(const GqaBwdParams& p, cudaStream_t stream) {
-    const int64_t query_ctas = (int64_t(p.B) * p.T * p.Hq + kBwdWarps - 1) / kBwdWarps;
-    const int64_t key_ctas = (int64_t(p.B) * p.T * p.Hkv + kBwdWarps - 1) / kBwdWarps;
-    if (query_ctas > 0x7fffffff || key_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
-    gqa_bwd_query_kernel<Elem><<<unsigned(query_ctas), 32 * kBwdWarps, 0, stream>>>(p);
+// The kernels: a CTA per unit of kBwdWarps rows; or, as the tensor-core plans' fallback
+// (p.rows_if_nonfinite, kLoop), a grid of a few CTAs per SM walking the units, so that on finite
+// inputs, where every CTA returns at once, the launch costs microseconds whatever the size (a CTA
+// per unit measured 48 us at (1, 8192, 32, 8, 128); bench/NOTES.md v49).
+template <typename Elem, bool kLoop>
+__global__ void __launch_bounds__(32 * kBwdWarps) gqa_bwd_query_kernel(const GqaBwdParams p) {
+    if (p.rows_if_nonfinite && *p.nonfinite == 0) return;
+    for (int64_t unit = blockIdx.x;; unit += gridDim.x) {
+        const WarpRow w = warp_row(p, p.Hq, unit);
+        if (!w.valid) return;
+        query_row<Elem>(p, w);
+        if (!kLoop) return;
+    }
+}
+
+// Three CTAs per SM (at most 85 registers): left to itself, ptxas's choice moved with the size of
+// GqaBwdParams (92 registers in fp32, more spills in 16-bit).
+template <typename Elem, bool kLoop>
+__global__ void __launch_bounds__(32 * kBwdWarps, 3) gqa_bwd_key_kernel(const GqaBwdParams p) {
+    if (p.rows_if_nonfinite && *p.nonfinite == 0) return;
+    for (int64_t unit = blockIdx.x;; unit += gridDim.x) {
+        const WarpRow w = warp_row(p, p.Hkv, unit);
+        if (!w.valid) return;
+        key_row<Elem>(p, w);
+        if (!kLoop) return;
+    }
+}
+
+template <typename Elem, bool kLoop>
+cudaError_t launch_backward_rows(const GqaBwdParams& p, cudaStream_t stream, int64_t max_ctas) {
+    const int64_t query_units = (int64_t(p.B) * p.T * p.Hq + kBwdWarps - 1) / kBwdWarps;
+    const int64_t key_units = (int64_t(p.B) * p.T * p.Hkv + kBwdWarps - 1) / kBwdWarps;
+    if (query_units > 0x7fffffff || key_units > 0x7fffffff) return cudaErrorInvalidConfiguration;
+    gqa_bwd_query_kernel<Elem, kLoop><<<unsigned(std::min(query_units, max_ctas)), 32 * kBwdWarps, 0, stream>>>(p);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
-    gqa_bwd_key_kernel<Elem><<<unsigned(key_ctas), 32 * kBwdWarps, 0, stream>>>(p);
+    gqa_bwd_key_kernel<Elem, kLoop><<<unsigned(std::min(key_units, max_ctas)), 32 * kBwdWarps, 0, stream>>>(p);
     return cudaGetLastError();
 }
 
@@ -235,9 +257,19 @@ cudaError_t scan_nonfinite(const GqaBwdParams& p, cudaStream_t stream) {
     return cudaGetLastError();
 }
 
-// The row-wise backward for any dtype and head_dim.
+// The row-wise backward for any dtype and head_dim: the plan's own kernels, or the tensor-core
+// plans' fallback (p.rows_if_nonfinite), four CTAs per SM walking the rows.
 cudaError_t backward_rows(const GqaBwdParams& p, cudaStream_t stream) {
-    return p.dtype == kGqaFloat32 ? launch_backward_rows<float>(p, stream) : launch_backward_rows<Half16>(p, stream);
+    if (p.rows_if_nonfinite) {
+        int dev = 0;
+        const cudaError_t err = cudaGetDevice(&dev);
+        if (err != cudaSuccess) return err;
+        const int64_t ctas = 4 * int64_t(sm_count(dev));
+        return p.dtype == kGqaFloat32 ? launch_backward_rows<float, true>(p, stream, ctas)
+                                      : launch_backward_rows<Half16, true>(p, stream, ctas);
+    }
+    return p.dtype == kGqaFloat32 ? launch_backward_rows<float, false>(p, stream, INT64_MAX)
+                                  : launch_backward_rows<Half16, false>(p, stream, INT64_MAX);
 }
 
 }  // namespace
