@@ -1583,9 +1583,11 @@ def test_gpu_opcheck():
 # ------------------------------------------------------------------------------------------------
 # Backward: gradients against float64 autograd of the reference
 def reference_grads(q, k, v, grad_out):
-    """dq, dk, dv in float64: autograd through reference.causal_gqa_reference."""
+    """dq, dk, dv in float64: autograd through reference.causal_gqa_reference, over the attended
+    keys alone when grad_out holds Inf or NaN (a masked key's zero weight times it is NaN)."""
     q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-    reference.causal_gqa_reference(q64, k64, v64).backward(grad_out.double())
+    attended_only = not bool(torch.isfinite(grad_out).all())
+    reference.causal_gqa_reference(q64, k64, v64, attended_only).backward(grad_out.double())
     return q64.grad, k64.grad, v64.grad
 
 
