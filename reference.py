@@ -47,15 +47,17 @@ def get_init_inputs():
     return [num_q_heads, num_kv_heads, head_dim]
 
 
-def causal_gqa_reference(q, k, v):
+def causal_gqa_reference(q, k, v, attended_only=False):
     """The same function in float64 on the inputs' device, vectorised one query head at a time
-    (so memory stays at B x T x T per head)."""
+    (so memory stays at B x T x T per head). attended_only forces the loops below, which sum over
+    the attended keys alone; they are taken anyway when q, k or v holds Inf or NaN, and a caller
+    whose output gradient does must ask for them (autograd multiplies a masked zero by it)."""
     B, T, Hq, D = q.shape
     group = Hq // k.shape[2]
     q64, k64, v64 = q.double(), k.double(), v.double()
     out = torch.empty(B, T, Hq, D, dtype=torch.float64, device=q.device)
     future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-    if not (torch.isfinite(q64).all() and torch.isfinite(k64).all() and torch.isfinite(v64).all()):
+    if attended_only or not (torch.isfinite(q64).all() and torch.isfinite(k64).all() and torch.isfinite(v64).all()):
         # A product 0 * inf or 0 * nan with a masked future value would poison rows that never
         # attend to it (through V in the forward, and through K and Q in autograd's backward,
         # where masked scores get a zero gradient); sum over the attended keys only, as the loops do.

@@ -966,6 +966,36 @@ def test_gpu_wgmma_many_tiles_per_cta(dtype, D, group, packed):
     check_half(call_poisoned(q, k, v), q, k, v, "many tiles per CTA, group %d" % group)
 
 
+
+def ws_l2_section_bytes():
+    """WsTraits::kL2SectionBytes, read from the kernel's source."""
+    with open(os.path.join(HERE, "kernels", "ws", "kernel.cuh")) as fh:
+        found = re.findall(r"kL2SectionBytes = int64_t\((\d+)\) << 20;", fh.read())
+    assert len(found) == 1, "kL2SectionBytes not found once in kernels/ws/kernel.cuh"
+    return int(found[0]) << 20
+
+
+def test_ws_l2_section_bytes_is_read_from_the_kernel():
+    assert ws_l2_section_bytes() >= 1 << 20
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype, B, T, Hkv, group, D", [(torch.bfloat16, 8, 1000, 25, 2, 64),
+                                                        (torch.float16, 2, 4097, 12, 3, 128)])
+def test_gpu_wgmma_tiles_in_l2_sections(dtype, B, T, Hkv, group, D):
+    """K and V of all (batch, kv head) pairs together past twice WsTraits::kL2SectionBytes, so the
+    warp-specialised kernel walks its tiles in sections of pairs, the last section holding fewer
+    pairs than the others: every element within check_half's bound of the float64 reference, none
+    left unwritten."""
+    budget, pairs, pair_bytes = ws_l2_section_bytes(), B * Hkv, T * D * 2 * 2
+    assert pairs * pair_bytes > 2 * budget
+    section = min(pairs, max(1, budget // pair_bytes))
+    assert 1 < section < pairs and pairs % section != 0, "sections of %d pairs of %d" % (section, pairs)
+    q, k, v = make_qkv(B, T, Hkv * group, Hkv, D, device="cuda", dtype=dtype)
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    assert gqa_module.plan(q, k, v) == "wgmma/%s/d%d" % (name, D)
+    check_half(call_poisoned(q, k, v), q, k, v, "L2 sections of %d pairs of %d" % (section, pairs))
+
 ACCURACY_SHAPES = [(2, 1024, 32, 8, 128), (1, 2048, 16, 4, 64), (2, 1536, 12, 4, 96)]
 
 
@@ -1553,9 +1583,11 @@ def test_gpu_opcheck():
 # ------------------------------------------------------------------------------------------------
 # Backward: gradients against float64 autograd of the reference
 def reference_grads(q, k, v, grad_out):
-    """dq, dk, dv in float64: autograd through reference.causal_gqa_reference."""
+    """dq, dk, dv in float64: autograd through reference.causal_gqa_reference, over the attended
+    keys alone when grad_out holds Inf or NaN (a masked key's zero weight times it is NaN)."""
     q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
-    reference.causal_gqa_reference(q64, k64, v64).backward(grad_out.double())
+    attended_only = not bool(torch.isfinite(grad_out).all())
+    reference.causal_gqa_reference(q64, k64, v64, attended_only).backward(grad_out.double())
     return q64.grad, k64.grad, v64.grad
 
 
@@ -1677,6 +1709,46 @@ def test_gpu_backward_nonfinite_like_reference(dtype, D, T):
 
 
 @needs_gpu
+def test_gpu_backward_nonfinite_fallback_walks_more_rows_than_its_grid():
+    """The tensor-core plans' row-wise fallback runs four CTAs of 8 rows per SM, each walking
+    several: with more query and key rows than that grid holds, and Inf and NaN in the inputs, the
+    gradients are NaN exactly where float64 autograd's are and within 2e-2 of them elsewhere."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    B, Hq, Hkv, D = 1, 8, 8, 64
+    T = 4 * sms + 72   # 8 T rows of each kind, past the grid's 32 rows per SM
+    q, k, v = make_qkv(B, T, Hq, Hkv, D, device="cuda", dtype=torch.bfloat16)
+    assert gqa_module.backward_plan(q, k, v) == "%s/bf16/d64" % tensor_core_backward(T, D)
+    q[0, 7, 3, 5] = float("inf")
+    v[0, T - 9, 6, 1] = float("nan")
+    grad_out = torch.randn_like(q)
+    for name, got, ref in zip(("dq", "dk", "dv"), project_grads(q, k, v, grad_out), reference_grads(q, k, v, grad_out)):
+        assert torch.equal(torch.isnan(got), torch.isnan(ref)), name
+        finite = torch.isfinite(ref)
+        assert torch.equal(torch.isfinite(got), finite), name
+        assert finite.any(), name
+        assert rel_err(got[finite], ref[finite]) <= 2e-2, name
+
+@needs_gpu
+@pytest.mark.parametrize("dtype, D", [(torch.bfloat16, 64), (torch.float16, 128)])
+@pytest.mark.parametrize("which", ["q", "k", "v", "grad_out"])
+def test_gpu_backward_nonfinite_at_either_end(dtype, D, which):
+    """One Inf or NaN alone, at the first or the last element of q, k, v or grad_out, where the
+    inputs' scan (16-byte loads over each tensor) starts and ends: the tensor-core plan then hands
+    the call to the row-wise kernels, and the gradients are NaN exactly where float64 autograd's are."""
+    B, T, Hq, Hkv = 1, 140, 4, 2
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    for index, value in ((0, float("inf")), (-1, float("nan"))):
+        q, k, v = make_qkv(B, T, Hq, Hkv, D, device="cuda", dtype=dtype)
+        assert gqa_module.backward_plan(q, k, v) == "%s/%s/d%d" % (tensor_core_backward(T, D), name, D)
+        grad_out = torch.randn_like(q)
+        tensors = dict(q=q, k=k, v=v, grad_out=grad_out)
+        tensors[which].view(-1)[index] = value
+        got, ref = project_grads(q, k, v, grad_out), reference_grads(q, k, v, grad_out)
+        for grad_name, a, b in zip(("dq", "dk", "dv"), got, ref):
+            assert torch.equal(torch.isnan(a), torch.isnan(b)), (which, index, grad_name)
+            assert torch.equal(torch.isfinite(a), torch.isfinite(b)), (which, index, grad_name)
+
+@needs_gpu
 @pytest.mark.parametrize("dtype, D, plan", [(torch.float16, 128, "bwdmma/fp16/d128"),
                                             (torch.bfloat16, 64, "bwdmma/bf16/d64"),
                                             (torch.float32, 40, "backward/fp32")])
@@ -1699,8 +1771,8 @@ def test_gpu_backward_of_views_off_16_bytes(dtype, D, plan):
 @needs_gpu
 def test_gpu_backward_long_sequence_scratch_memory():
     """(1, 32768, 32, 8, 128) bf16 forward and backward: the memory beyond the inputs, the output
-    and the gradients (the backward's scratch: row statistics, dQ's fp32 sum and its counters) is at
-    most twice the inputs' size, and the gradients are finite."""
+    and the gradients (the backward's scratch: row statistics, and with the fused kernel dQ's fp32
+    sum and its counters) is at most twice the inputs' size, and the gradients are finite."""
     B, T, Hq, Hkv, D = 1, 32768, 32, 8, 128
     q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16).requires_grad_(True) for H in (Hq, Hkv, Hkv))
     grad_out = torch.randn(B, T, Hq, D, device="cuda", dtype=torch.bfloat16)

@@ -38,6 +38,11 @@ struct GqaParams {
 };
 
 // The device facts a plan depends on.
+// Whether the 16-bit wgmma backward at widths 64 and 128 runs its fused kernel (dK, dV and dQ in
+// one, dQ summed in the scratch of gqa_backward_workspace_floats) instead of its two kernels. The
+// fused one measured 0.70-0.75x of the two (bench/NOTES.md v46) and stays for measurement.
+constexpr bool kGqaFusedBackward = false;
+
 // The backward's inputs and outputs: every tensor contiguous, q, o, dout and dq (B, T, Hq, D), k, v,
 // dk and dv (B, T, Hkv, D), in one dtype; lse2 and delta are scratch of B * T * Hq floats each.
 struct GqaBwdParams {

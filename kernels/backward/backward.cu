@@ -59,15 +59,15 @@ __device__ __forceinline__ float dot(const float (&a)[kBwdLaneElems], const floa
     return warp_sum(s);
 }
 
-// This warp's row of a [B, T, H, D] tensor (one warp per row, kBwdWarps rows per CTA).
+// This warp's row of a [B, T, H, D] tensor in the CTA's `unit` of kBwdWarps rows (one warp a row).
 struct WarpRow {
     int64_t row, b;
     int t, head, lane;
     bool valid;
 };
-__device__ __forceinline__ WarpRow warp_row(const GqaBwdParams& p, int heads) {
+__device__ __forceinline__ WarpRow warp_row(const GqaBwdParams& p, int heads, int64_t unit) {
     WarpRow w;
-    w.row = int64_t(blockIdx.x) * kBwdWarps + threadIdx.x / 32;
+    w.row = unit * kBwdWarps + threadIdx.x / 32;
     w.lane = threadIdx.x % 32;
     w.valid = w.row < int64_t(p.B) * p.T * heads;
     w.head = int(w.row % heads);
@@ -78,9 +78,7 @@ __device__ __forceinline__ WarpRow warp_row(const GqaBwdParams& p, int heads) {
 
 // Kernel 1: one warp per query row (b, t, h), rows in [B, T, Hq] order.
 template <typename Elem>
-__global__ void __launch_bounds__(32 * kBwdWarps) gqa_bwd_query_kernel(const GqaBwdParams p) {
-    const WarpRow w = warp_row(p, p.Hq);
-    if (!w.valid || (p.rows_if_nonfinite && *p.nonfinite == 0)) return;
+__device__ __forceinline__ void query_row(const GqaBwdParams& p, const WarpRow& w) {
     const int64_t row = w.row, b = w.b;
     const int lane = w.lane, t = w.t;
     const bool bf16 = p.dtype == kGqaBFloat16;
@@ -125,13 +123,9 @@ __global__ void __launch_bounds__(32 * kBwdWarps) gqa_bwd_query_kernel(const Gqa
 }
 
 // Kernel 2: one warp per key row (b, j, kv head), rows in [B, T, Hkv] order, so the keys with the
-// most query rows after them start first. Three CTAs per SM (at most 85 registers): left to
-// itself, ptxas's choice moved with the size of GqaBwdParams (92 registers in fp32, more spills in
-// 16-bit).
+// most query rows after them start first.
 template <typename Elem>
-__global__ void __launch_bounds__(32 * kBwdWarps, 3) gqa_bwd_key_kernel(const GqaBwdParams p) {
-    const WarpRow w = warp_row(p, p.Hkv);
-    if (!w.valid || (p.rows_if_nonfinite && *p.nonfinite == 0)) return;
+__device__ __forceinline__ void key_row(const GqaBwdParams& p, const WarpRow& w) {
     const int64_t b = w.b;
     const int lane = w.lane, j = w.t, kv_head = w.head;
     const bool bf16 = p.dtype == kGqaBFloat16;
@@ -164,40 +158,97 @@ __global__ void __launch_bounds__(32 * kBwdWarps, 3) gqa_bwd_key_kernel(const Gq
     store_row(static_cast<Elem*>(p.dv) + kd, dv, 1.f, p.D, lane, bf16);
 }
 
-template <typename Elem>
-cudaError_t launch_backward_rows(const GqaBwdParams& p, cudaStream_t stream) {
-    const int64_t query_ctas = (int64_t(p.B) * p.T * p.Hq + kBwdWarps - 1) / kBwdWarps;
-    const int64_t key_ctas = (int64_t(p.B) * p.T * p.Hkv + kBwdWarps - 1) / kBwdWarps;
-    if (query_ctas > 0x7fffffff || key_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
-    gqa_bwd_query_kernel<Elem><<<unsigned(query_ctas), 32 * kBwdWarps, 0, stream>>>(p);
+// The kernels: a CTA per unit of kBwdWarps rows; or, as the tensor-core plans' fallback
+// (p.rows_if_nonfinite, kLoop), a grid of a few CTAs per SM walking the units, so that on finite
+// inputs, where every CTA returns at once, the launch costs microseconds whatever the size (a CTA
+// per unit measured 48 us at (1, 8192, 32, 8, 128); bench/NOTES.md v49).
+template <typename Elem, bool kLoop>
+__global__ void __launch_bounds__(32 * kBwdWarps) gqa_bwd_query_kernel(const GqaBwdParams p) {
+    if (p.rows_if_nonfinite && *p.nonfinite == 0) return;
+    for (int64_t unit = blockIdx.x;; unit += gridDim.x) {
+        const WarpRow w = warp_row(p, p.Hq, unit);
+        if (!w.valid) return;
+        query_row<Elem>(p, w);
+        if (!kLoop) return;
+    }
+}
+
+// Three CTAs per SM (at most 85 registers): left to itself, ptxas's choice moved with the size of
+// GqaBwdParams (92 registers in fp32, more spills in 16-bit).
+template <typename Elem, bool kLoop>
+__global__ void __launch_bounds__(32 * kBwdWarps, 3) gqa_bwd_key_kernel(const GqaBwdParams p) {
+    if (p.rows_if_nonfinite && *p.nonfinite == 0) return;
+    for (int64_t unit = blockIdx.x;; unit += gridDim.x) {
+        const WarpRow w = warp_row(p, p.Hkv, unit);
+        if (!w.valid) return;
+        key_row<Elem>(p, w);
+        if (!kLoop) return;
+    }
+}
+
+template <typename Elem, bool kLoop>
+cudaError_t launch_backward_rows(const GqaBwdParams& p, cudaStream_t stream, int64_t max_ctas) {
+    const int64_t query_units = (int64_t(p.B) * p.T * p.Hq + kBwdWarps - 1) / kBwdWarps;
+    const int64_t key_units = (int64_t(p.B) * p.T * p.Hkv + kBwdWarps - 1) / kBwdWarps;
+    if (query_units > 0x7fffffff || key_units > 0x7fffffff) return cudaErrorInvalidConfiguration;
+    gqa_bwd_query_kernel<Elem, kLoop><<<unsigned(std::min(query_units, max_ctas)), 32 * kBwdWarps, 0, stream>>>(p);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
-    gqa_bwd_key_kernel<Elem><<<unsigned(key_ctas), 32 * kBwdWarps, 0, stream>>>(p);
+    gqa_bwd_key_kernel<Elem, kLoop><<<unsigned(std::min(key_units, max_ctas)), 32 * kBwdWarps, 0, stream>>>(p);
     return cudaGetLastError();
 }
 
-// Sets *p.nonfinite when q, k, v, o or dout holds Inf or NaN (the flag starts at zero).
+// Whether the element of w under the exponent mask `exp` is Inf or NaN: that field all ones.
+__device__ __forceinline__ bool exp_all_ones(uint32_t w, uint32_t exp) { return (w & exp) == exp; }
+
+// Whether any of the n elements at x (16-byte aligned: the binding's packed copies) is Inf or NaN,
+// over this thread's share of the grid: 16-byte loads, kLoads in flight, then the last n % kVec
+// elements one at a time. `exp` is the exponent mask of one element (an fp32's, or a 16-bit one's
+// in the low half of a word).
+template <typename Elem>
+__device__ __forceinline__ bool any_nonfinite(const Elem* x, int64_t n, uint32_t exp, int64_t tid, int64_t threads) {
+    using Bits = typename std::conditional<sizeof(Elem) == 4, uint32_t, uint16_t>::type;
+    constexpr int kVec = 16 / sizeof(Elem), kLoads = 4;
+    const uint32_t high = exp << 16;   // a 16-bit pair's second element
+    const int64_t vecs = n / kVec;
+    const uint4* body = reinterpret_cast<const uint4*>(x);
+    bool bad = false;
+    for (int64_t i = tid; i < vecs; i += kLoads * threads) {
+        uint4 w[kLoads];
+#pragma unroll
+        for (int u = 0; u < kLoads; ++u) w[u] = i + u * threads < vecs ? __ldg(body + i + u * threads) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int u = 0; u < kLoads; ++u) {
+            const uint32_t words[4] = {w[u].x, w[u].y, w[u].z, w[u].w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) bad |= exp_all_ones(words[j], exp) | (sizeof(Elem) == 2 && exp_all_ones(words[j], high));
+        }
+    }
+    const Bits* bits = reinterpret_cast<const Bits*>(x);
+    for (int64_t i = vecs * kVec + tid; i < n; i += threads) bad |= exp_all_ones(bits[i], exp);
+    return bad;
+}
+
+// Sets *p.nonfinite when q, k, v, o or dout holds Inf or NaN (the flag starts at zero). Each is
+// contiguous ([B, T, H, D]).
 template <typename Elem>
 __global__ void __launch_bounds__(256) gqa_bwd_scan_kernel(const GqaBwdParams p) {
     const int64_t nq = int64_t(p.B) * p.T * p.Hq * p.D, nkv = int64_t(p.B) * p.T * p.Hkv * p.D;
-    const bool bf16 = p.dtype == kGqaBFloat16;
-    bool bad = false;
-    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < nq; i += int64_t(gridDim.x) * blockDim.x) {
-        bad |= !isfinite(to_float(static_cast<const Elem*>(p.q)[i], bf16)) ||
-               !isfinite(to_float(static_cast<const Elem*>(p.o)[i], bf16)) ||
-               !isfinite(to_float(static_cast<const Elem*>(p.dout)[i], bf16));
-        if (i < nkv)
-            bad |= !isfinite(to_float(static_cast<const Elem*>(p.k)[i], bf16)) ||
-                   !isfinite(to_float(static_cast<const Elem*>(p.v)[i], bf16));
-    }
+    const uint32_t exp = sizeof(Elem) == 4 ? 0x7f800000u : p.dtype == kGqaBFloat16 ? 0x7f80u : 0x7c00u;
+    const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, threads = int64_t(gridDim.x) * blockDim.x;
+    const bool bad = any_nonfinite(static_cast<const Elem*>(p.q), nq, exp, tid, threads) ||
+                     any_nonfinite(static_cast<const Elem*>(p.o), nq, exp, tid, threads) ||
+                     any_nonfinite(static_cast<const Elem*>(p.dout), nq, exp, tid, threads) ||
+                     any_nonfinite(static_cast<const Elem*>(p.k), nkv, exp, tid, threads) ||
+                     any_nonfinite(static_cast<const Elem*>(p.v), nkv, exp, tid, threads);
     if (__any_sync(0xffffffffu, bad) && threadIdx.x % 32 == 0) atomicOr(p.nonfinite, 1);
 }
 
 cudaError_t scan_nonfinite(const GqaBwdParams& p, cudaStream_t stream) {
     cudaError_t err = cudaMemsetAsync(p.nonfinite, 0, sizeof(int), stream);
     if (err != cudaSuccess) return err;
-    const int64_t items = int64_t(p.B) * p.T * p.Hq * p.D;
-    const int blocks = int(std::min<int64_t>((items + 255) / 256, 4096));
+    const int64_t vecs = int64_t(p.B) * p.T * p.Hq * p.D * (p.dtype == kGqaFloat32 ? 4 : 2) / 16 + 1;
+    const int blocks = int(std::min<int64_t>((vecs + 255) / 256, 4096));
     if (p.dtype == kGqaFloat32) {
         gqa_bwd_scan_kernel<float><<<blocks, 256, 0, stream>>>(p);
     } else {
@@ -206,9 +257,19 @@ cudaError_t scan_nonfinite(const GqaBwdParams& p, cudaStream_t stream) {
     return cudaGetLastError();
 }
 
-// The row-wise backward for any dtype and head_dim.
+// The row-wise backward for any dtype and head_dim: the plan's own kernels, or the tensor-core
+// plans' fallback (p.rows_if_nonfinite), four CTAs per SM walking the rows.
 cudaError_t backward_rows(const GqaBwdParams& p, cudaStream_t stream) {
-    return p.dtype == kGqaFloat32 ? launch_backward_rows<float>(p, stream) : launch_backward_rows<Half16>(p, stream);
+    if (p.rows_if_nonfinite) {
+        int dev = 0;
+        const cudaError_t err = cudaGetDevice(&dev);
+        if (err != cudaSuccess) return err;
+        const int64_t ctas = 4 * int64_t(sm_count(dev));
+        return p.dtype == kGqaFloat32 ? launch_backward_rows<float, true>(p, stream, ctas)
+                                      : launch_backward_rows<Half16, true>(p, stream, ctas);
+    }
+    return p.dtype == kGqaFloat32 ? launch_backward_rows<float, false>(p, stream, INT64_MAX)
+                                  : launch_backward_rows<Half16, false>(p, stream, INT64_MAX);
 }
 
 }  // namespace

@@ -25,6 +25,10 @@
 namespace {
 
 constexpr int kTile = 64;                  // rows of a tile, and columns of a step
+// A step's last product (dQ, or dV and dK) left running into the next step, whose first products
+// are issued behind it before the loads of the step after it (which reuse its stage) start:
+// the tensor core need not idle over the step's barrier and copies (bench/NOTES.md v51).
+constexpr bool kBwdEarlyIssue = false;
 constexpr int kWarps = kTile / 16;         // one 16-row m-tile per warp
 constexpr int kThreads = 32 * kWarps;
 
@@ -169,19 +173,29 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
 
     // Pass 2: dQ. Key tile kt sits in stage (kt + 1) % 2; the next one loads during this one.
     float dq[1][OUT / 8][4] = {};
-    for (int kt = 0; kt <= (kStats ? -1 : qt); ++kt) {
+    auto load_kv = [&](int kt) {   // key tile kt + 1 into the other stage
         const int st = (kt + 1) & 1;
         if (kt < qt) {
             Pol::load(k_of(st ^ 1), k_in, b, (kt + 1) * kTile, kv_head, p.Hkv, p.T);
             Pol::load(v_of(st ^ 1), v_in, b, (kt + 1) * kTile, kv_head, p.Hkv, p.T);
         }
         cp_async_commit();    // (empty on the last tile)
-        cp_async_wait<1>();
+    };
+    for (int kt = 0; kt <= (kStats ? -1 : qt); ++kt) {
+        const int st = (kt + 1) & 1;
+        if (!kBwdEarlyIssue) load_kv(kt);
+        cp_async_wait<kBwdEarlyIssue ? 0 : 1>();   // key tile kt has landed
         Pol::landed();
         __syncthreads();
         float s[1][kTile / 8][4], dp[1][kTile / 8][4];
         Pol::qk_issue(s, q_tile, k_of(st), warp, lane);
         Pol::qk_issue(dp, do_tile, v_of(st), warp, lane);
+        if (kBwdEarlyIssue) {
+            Pol::template wait<2>();   // the last tile's dQ product: its stage is free
+            Pol::settle(dq);
+            __syncthreads();
+            load_kv(kt);
+        }
         Pol::template wait<1>();   // S; dP still running
         Pol::settle(s);
         const bool edge = kt == qt;
@@ -198,10 +212,14 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
             for (int e = 0; e < 4; ++e) s[0][n][e] *= dp[0][n][e] - delta[e >> 1];   // dS
         uint32_t pa[kTile / 16][4];
         Pol::pv_issue(dq, pa, s, Pol::columns(k_of(st), col0), lane);
-        Pol::template wait<0>();
-        Pol::settle(dq);
-        __syncthreads();   // this stage takes tile kt + 2, issued at the top of the next iteration
+        if (!kBwdEarlyIssue) {
+            Pol::template wait<0>();
+            Pol::settle(dq);
+            __syncthreads();   // this stage takes tile kt + 2, issued at the top of the next iteration
+        }
     }
+    Pol::template wait<0>();
+    Pol::settle(dq);
 
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -265,9 +283,11 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdPara
     float dk[1][OUT / 8][4] = {}, dv[1][OUT / 8][4] = {};
     for (int i = 0; i < steps; ++i) {
         const int st = i & 1, q0 = (kt + i / p.group) * kTile;
-        if (i + 1 < steps) load_step(i + 1, st ^ 1);
-        cp_async_commit();    // (empty on the last step)
-        cp_async_wait<1>();   // everything but the step just issued has landed
+        if (!kBwdEarlyIssue) {
+            if (i + 1 < steps) load_step(i + 1, st ^ 1);
+            cp_async_commit();    // (empty on the last step)
+        }
+        cp_async_wait<kBwdEarlyIssue ? 0 : 1>();   // step i has landed
         Pol::landed();
         __syncthreads();
         const float* lse2_t = lse2_s(st);
@@ -275,6 +295,14 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdPara
         float s[1][kTile / 8][4], dp[1][kTile / 8][4];
         Pol::qk_issue(s, k_tile, q_tile(st), warp, lane);     // S^T
         Pol::qk_issue(dp, v_tile, do_tile(st), warp, lane);   // dP^T
+        if (kBwdEarlyIssue) {
+            Pol::template wait<2>();   // the last step's dV and dK: its stage is free
+            Pol::settle(dv);
+            Pol::settle(dk);
+            __syncthreads();
+            if (i + 1 < steps) load_step(i + 1, st ^ 1);
+            cp_async_commit();    // (empty on the last step)
+        }
         // Masks only where a query can precede a key (the diagonal tile) or a row or key is past T.
         const bool edge = q0 == k0 || q0 + kTile > p.T;
         const int j_base = k0 + 16 * warp;
@@ -300,11 +328,16 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdPara
                 dp[0][n][e] = s[0][n][e] * (dp[0][n][e] - delta_t[c]);   // dS^T
             }
         Pol::pv_issue(dk, pa2, dp, Pol::columns(q_tile(st), col0), lane);   // dK += dS^T Q
-        Pol::template wait<0>();
-        Pol::settle(dv);
-        Pol::settle(dk);
-        __syncthreads();   // stage st takes step i + 2, issued at the top of the next iteration
+        if (!kBwdEarlyIssue) {
+            Pol::template wait<0>();
+            Pol::settle(dv);
+            Pol::settle(dk);
+            __syncthreads();   // stage st takes step i + 2, issued at the top of the next iteration
+        }
     }
+    Pol::template wait<0>();
+    Pol::settle(dv);
+    Pol::settle(dk);
 
 #pragma unroll
     for (int half = 0; half < 2; ++half) {

@@ -1,7 +1,9 @@
-// The backward's wgmma unit (sm_90a): fp16 and bf16 at head_dim 64 and 128, a unit per dtype and
-// width (GQA_DTYPE, GQA_WIDTH): the row statistics by the dQ kernel of bwdmma/kernels.cuh over
+// The backward's wgmma unit (sm_90a): fp16 and bf16 at head_dim 64, 128 and 256, a unit per dtype
+// and width (GQA_DTYPE, GQA_WIDTH): the two kernels of bwdmma/kernels.cuh (dQ, then dK and dV) over
 // this policy (its tile products on the warpgroup, the CTA's four warps, 64 rows, from
-// 128-byte-swizzled tiles), then fused.cuh's kernel for dK, dV and dQ.
+// 128-byte-swizzled tiles; at width 256 each CTA computes half of the output columns). With
+// kGqaFusedBackward, widths 64 and 128 run the dQ kernel's statistics pass, then fused.cuh's
+// kernel for dK, dV and dQ.
 
 #include "bwdwg/fused.cuh"
 
@@ -57,17 +59,14 @@ static_assert(GQA_DTYPE != kGqaFloat32 && (GQA_WIDTH == 64 || GQA_WIDTH == 128 |
               "a unit for fp16 or bf16 at width 64, 128 or 256");
 using Products = WgProducts<GQA_DTYPE == kGqaBFloat16, GQA_WIDTH>;
 
-constexpr bool kFusedBackward = false;
-
 }  // namespace
 
 extern "C" int gqa_launch_bwdwg(const GqaBwdParams* p, void* stream) {
     int dev = 0;
     const cudaError_t err = cudaGetDevice(&dev);
     if (err != cudaSuccess) return int(err);
-    // The two kernels (at width 256 in column halves). The fused one measured 0.70-0.75x of them at
-    // widths 64 and 128 (NOTES v46) and stays behind kFusedBackward for measurement.
-    if constexpr (GQA_WIDTH == 256 || !kFusedBackward) {
+    // The two kernels (at width 256 in column halves), or the fused one (kGqaFusedBackward).
+    if constexpr (GQA_WIDTH == 256 || !kGqaFusedBackward) {
         return int(bwd_launch<Products>(*p, static_cast<cudaStream_t>(stream), dev));
     } else {
         return int(fused_launch<Products>(*p, static_cast<cudaStream_t>(stream), dev));

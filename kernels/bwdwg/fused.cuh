@@ -28,8 +28,9 @@ template <int DP> struct FusedTraits {
     static constexpr bool kDeferDq = false;
     // K, V, two stages of (Q, dO), dS^T, two stages of (lse2, delta), the held dQ share (fp32, a
     // thread's 16 float2 strided by the 256 threads); 1024 of alignment slack.
+    static constexpr int kHeldBytes = 16 * kThreads * 8;   // 16 float2 a thread at every width
     static constexpr int kSmem = 1024 + 2 * (2 * kKvHalves + 4 * kRowHalves + kDsHalves) + 2 * 2 * kRows * 4 +
-                                 (kDeferDq ? kRows * DP * 4 : 0);
+                                 (kDeferDq ? kHeldBytes : 0);
     static_assert(kSmem <= 227 * 1024, "one CTA's shared memory");
 };
 

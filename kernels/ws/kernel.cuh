@@ -83,6 +83,9 @@ template <int DP> struct WsTraits {
     static constexpr bool kOverlap = DP <= 128;
     // One CTA per SM walking tiles (false: a CTA per tile, the same kernel taking one tile each).
     static constexpr bool kPersistent = true;
+    // The L2 share that one section's K and V may take (ws_tile, launch_ws; 0: one section of every
+    // pair). 24 MB measured 1.07x at (16, 2048, 32, 8, 64) and 1.03x at (1, 32768, 32, 8, 128).
+    static constexpr int64_t kL2SectionBytes = int64_t(24) << 20;
     static constexpr int kTileBytes = kKeys * DP * 2;   // one K or V tile
     static constexpr int kQBytes = kBlockM * DP * 2;
     static constexpr size_t kSmemBytes = 1024 + size_t(kQBytes) + size_t(2) * kStages * kTileBytes;
@@ -98,15 +101,21 @@ struct WsMaps {
     CUtensorMap k, v, q;
 };
 
-// A CTA tile: BM packed rows of one (batch, kv head). Tiles are numbered longest rows first (the
-// last row tile of every (b, kv head), then the one before, ...), as the tiled kernel's grid.
+// A CTA tile: BM packed rows of one (batch, kv head). The (batch, kv head) pairs go in sections of
+// `section` pairs (the last one may hold fewer), one section after another; within a section the
+// tiles are numbered longest rows first (the last row tile of every pair of the section, then the
+// one before, ...). A section's K and V fit in L2 beside the rest of the traffic (WsTraits::
+// kL2SectionBytes), so the CTAs that run at once read K/V tiles that other CTAs have just brought in;
+// launch_ws says when there is more than one section.
 struct WsTile {
     int b, kvh, r0, t_lo, n_kv;   // batch, kv head, first packed row, its time step, K/V tiles
 };
 template <int BM, int TK>
-__device__ __forceinline__ WsTile ws_tile(int tile, const GqaParams& p, const TileDivs& dv) {
+__device__ __forceinline__ WsTile ws_tile(int tile, int section, const GqaParams& p, const TileDivs& dv) {
     const int bh_count = p.B * p.Hkv, n_qtiles = (p.T * p.group + BM - 1) / BM;
-    const int bh_tile = dv.bh.div(tile), bh = tile - bh_tile * bh_count;
+    const int sec = tile / (section * n_qtiles), first = sec * section;   // the section, its first pair
+    const int pairs = min(section, bh_count - first), local = tile - first * n_qtiles;
+    const int bh_tile = local / pairs, bh = first + (local - bh_tile * pairs);
     WsTile w;
     w.b = dv.hkv.div(bh);
     w.kvh = bh - w.b * p.Hkv;
@@ -117,7 +126,7 @@ __device__ __forceinline__ WsTile ws_tile(int tile, const GqaParams& p, const Ti
 }
 
 // The CTA's k-th tile, or -1 past the last: round k holds tiles [k G, k G + G) (G = gridDim.x,
-// tiles numbered longest first), and CTA c takes the c-th of an even round and the (G - 1 - c)-th
+// tiles numbered longest first within a section), and CTA c takes the c-th of an even round and the (G - 1 - c)-th
 // of an odd one, so the CTA that had a round's longest tile has the next round's shortest (a walk
 // of c, c + G, ... left the first CTAs up to 11% more work; bench/NOTES.md v42). With a CTA per
 // tile (G = tiles) it is tile c, then nothing.
@@ -134,7 +143,8 @@ __device__ __forceinline__ int ws_walk(int k, int tiles) {
 // P V, softmax and stores finish. Without q_tma the consumers copy Q themselves at each tile.
 template <int kDtype, int DP>
 __global__ void __launch_bounds__(WsTraits<DP>::kThreads, 1)
-gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const TileDivs dv, int tiles, int q_tma) {
+gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const TileDivs dv, int tiles, int section,
+              int q_tma) {
     using Tr = WsTraits<DP>;
     using Elem = Half16;
     constexpr bool bf16 = kDtype == kGqaBFloat16;
@@ -190,7 +200,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
                 };
                 int it = 0, tc = 0;
                 for (int tile = ws_walk(0, tiles); tile >= 0; tile = ws_walk(++tc, tiles)) {
-                    const WsTile w = ws_tile<BM, TK>(tile, p, dv);
+                    const WsTile w = ws_tile<BM, TK>(tile, section, p, dv);
                     load(&maps.k, full_k, free_k, false, it, 0, w);
                     if (q_tma) {
                         if (tc > 0) mbar_wait(&free_q, uint32_t((tc - 1) & 1));
@@ -217,7 +227,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
         auto carries = [&](uint32_t x) { return ((x & field) + unit) & 0x80008000u; };
         int it = 0, tc = 0;
         for (int tile = ws_walk(0, tiles); tile >= 0; tile = ws_walk(++tc, tiles)) {
-            const WsTile w = ws_tile<BM, TK>(tile, p, dv);
+            const WsTile w = ws_tile<BM, TK>(tile, section, p, dv);
             for (int n = 0; n < w.n_kv; ++n, ++it) {
                 const int st = it % S;
                 mbar_wait(&full_v[st], uint32_t((it / S) & 1));
@@ -260,7 +270,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
     if (kPP && last_wg) hand_on();
     int it = 0, tc = 0;   // the CTA's K/V step at this tile's first K/V tile; tiles done
     for (int tile = ws_walk(0, tiles); tile >= 0; tile = ws_walk(++tc, tiles)) {
-        const WsTile w = ws_tile<BM, TK>(tile, p, dv);
+        const WsTile w = ws_tile<BM, TK>(tile, section, p, dv);
         const int n_kv = w.n_kv;
         const bool more = ws_walk(tc + 1, tiles) >= 0;
         const HeadRows<Elem> head(p, w.b, w.kvh);
@@ -466,7 +476,13 @@ cudaError_t launch_ws(const GqaParams& p, cudaStream_t stream, int dev) {
     const int64_t tiles = packed_tile_grid(p, Tr::kBlockM, dv);
     if (tiles < 0) return cudaErrorInvalidConfiguration;
     const int64_t ctas = Tr::kPersistent && tiles > sm_count(dev) ? sm_count(dev) : tiles;
-    kernel<<<unsigned(ctas), Tr::kThreads, Tr::kSmemBytes, stream>>>(maps, p, dv, int(tiles), q_tma ? 1 : 0);
+    // Sections only where every pair's K and V together exceed twice a section's share: where they
+    // fit, the order longest first over all pairs balances the CTAs better (the walk is static, and a
+    // section's first, longest tiles after the last one's shortest undo the snake; NOTES v47).
+    const int64_t pairs = int64_t(p.B) * p.Hkv, pair_bytes = int64_t(p.T) * p.D * 2 * 2;   // K and V, 16-bit
+    const bool sections = Tr::kL2SectionBytes > 0 && pairs * pair_bytes > 2 * Tr::kL2SectionBytes;
+    const int64_t section = sections ? std::min(pairs, std::max<int64_t>(1, Tr::kL2SectionBytes / pair_bytes)) : pairs;
+    kernel<<<unsigned(ctas), Tr::kThreads, Tr::kSmemBytes, stream>>>(maps, p, dv, int(tiles), int(section), q_tma ? 1 : 0);
     return cudaGetLastError();
 }
 
