@@ -29,6 +29,7 @@ VARIANTS = {
     "base": [],
     "fused_backward": [FUSED],
     "defer_dq_add": [FUSED, ("kernels/bwdwg/fused.cuh", "kDeferDq = false;", "kDeferDq = true;")],
+    "atomic_dq_add": [FUSED, ("kernels/bwdwg/fused.cuh", "kAtomicDq = false;", "kAtomicDq = true;")],
     "rowwise_backward_at_256": [("kernels/attention.cu", "kWgAt256 = true;", "kWgAt256 = false;")],
     "not_persistent": [(WS, "kPersistent = true;", "kPersistent = false;")],
     "round_robin_walk": [(WS, "((k & 1) ? G - 1 - c : c)", "c")],

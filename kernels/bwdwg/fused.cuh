@@ -26,6 +26,11 @@ template <int DP> struct FusedTraits {
     // A step's dQ share is added to the sum at the next step, under that step's first two products
     // (held in shared memory meanwhile), instead of at the end of its own.
     static constexpr bool kDeferDq = false;
+    // A step's dQ share goes to the sum by fire-and-forget float2 adds (RED), with no turn and no
+    // barrier: the order of the adds, and so the sum's last bits, change from run to run. Off: an
+    // instrument for what the turn costs, not a mode.
+    static constexpr bool kAtomicDq = false;
+    static_assert(!(kDeferDq && kAtomicDq), "one way of adding dQ");
     // K, V, two stages of (Q, dO), dS^T, two stages of (lse2, delta), the held dQ share (fp32, a
     // thread's 16 float2 strided by the 256 threads); 1024 of alignment slack.
     static constexpr int kHeldBytes = 16 * kThreads * 8;   // 16 float2 a thread at every width
@@ -151,6 +156,20 @@ __global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParam
         if (threadIdx.x == 0) store_release(order, kt + 1);
     };
     auto held_share = [&](int half, int n) { return held[(8 * half + n) * Tr::kThreads + threadIdx.x]; };
+    // kAtomicDq: this warpgroup's share of step `step` added in place, in no fixed order.
+    auto red_dq = [&](int step, const float (&dq)[8][4]) {
+        const int qi = step_tile(step), h = step_head(step), q0 = qi * Tr::kRows;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int t = q0 + 16 * cw + frag_row(lane, 2 * half);
+            if (t >= T) continue;
+            float* row = p.dq_accum + ((b * T + t) * p.Hq + h) * DP + 64 * cb;
+#pragma unroll
+            for (int n = 0; n < 8; ++n)
+                atomicAdd(reinterpret_cast<float2*>(row + frag_col(lane, n, 2 * half)),
+                          make_float2(dq[n][2 * half], dq[n][2 * half + 1]));
+        }
+    };
 
     load_step(0, 0);
     cp_async_commit();
@@ -243,6 +262,8 @@ __global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParam
                         held[(8 * half + n) * Tr::kThreads + threadIdx.x] = make_float2(dq[n][2 * half], dq[n][2 * half + 1]);
             }
             __syncthreads();   // stage st and dS^T are free again
+        } else if constexpr (Tr::kAtomicDq) {
+            if (cb == wg) red_dq(i, dq);
         } else {
             add_dq(i, [&](int half, int n) { return make_float2(dq[n][2 * half], dq[n][2 * half + 1]); });
         }
