@@ -23,13 +23,16 @@ import tempfile
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WS = "kernels/ws/kernel.cuh"
 FUSED = ("kernels/gqa_params.h", "kGqaFusedBackward = false;", "kGqaFusedBackward = true;")
+DQ_ADD = ("kernels/bwdwg/fused.cuh", "kDqAdd = DqAdd::kTurn;")   # the fused kernel's dQ add (FusedTraits)
 
 # name -> [(file, old text, new text)]; "base" is the checkout as it is. Timed in this order.
 VARIANTS = {
     "base": [],
     "fused_backward": [FUSED],
-    "defer_dq_add": [FUSED, ("kernels/bwdwg/fused.cuh", "kDeferDq = false;", "kDeferDq = true;")],
-    "atomic_dq_add": [FUSED, ("kernels/bwdwg/fused.cuh", "kAtomicDq = false;", "kAtomicDq = true;")],
+    "defer_dq_add": [FUSED, (DQ_ADD[0], DQ_ADD[1], "kDqAdd = DqAdd::kTurnDeferred;")],
+    "atomic_dq_add": [FUSED, (DQ_ADD[0], DQ_ADD[1], "kDqAdd = DqAdd::kRed;")],
+    "bulk_dq_add": [FUSED, (DQ_ADD[0], DQ_ADD[1], "kDqAdd = DqAdd::kBulk;")],
+    "bulk_dq_add_unordered": [FUSED, (DQ_ADD[0], DQ_ADD[1], "kDqAdd = DqAdd::kBulkUnordered;")],
     "rowwise_backward_at_256": [("kernels/attention.cu", "kWgAt256 = true;", "kWgAt256 = false;")],
     "not_persistent": [(WS, "kPersistent = true;", "kPersistent = false;")],
     "round_robin_walk": [(WS, "((k & 1) ? G - 1 - c : c)", "c")],
