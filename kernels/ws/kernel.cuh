@@ -77,11 +77,7 @@ template <int DP> struct WsTraits {
     // Stages of the ring (K and V tiles each). At width 128, 3 stages (225 KB in all) measured
     // 1.35x of 2 when a stage's K and V were freed together; at 256, 2 fill the shared memory.
     static constexpr int kStages = DP == 64 ? 4 : DP == 128 ? 3 : 2;
-    // The consumers take turns issuing products, while every CTA runs at most kTurnsUpToRounds
-    // tiles (rounds of the walk): without turns the five benchmark shapes (about 8 rounds or more)
-    // measured 1.01-1.07x, and shapes of one round 0.95x (bench/NOTES.md v53).
-    static constexpr bool kPingPong = true;
-    static constexpr int kTurnsUpToRounds = 1;
+    static constexpr bool kPingPong = true;             // the consumers take turns issuing products
     // S of tile n + 1 beside P V of tile n, up to width 128. At width 256 (O: 128 registers) the
     // overlap spills around the exact non-finite step and measured 2% slower (NOTES v46).
     static constexpr bool kOverlap = DP <= 128;
@@ -268,10 +264,10 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
     // Turns: warpgroup 0 goes first (the last one's opening pass lets it); each issue of products
     // is one turn, the same number of turns in each warpgroup, and the last warpgroup gives up its
     // very last pass (nobody waits for it), so every barrier ends balanced.
-    const bool turns = Tr::kPingPong && tiles <= Tr::kTurnsUpToRounds * int64_t(gridDim.x);   // the same in every CTA
+    constexpr bool kPP = Tr::kPingPong;
     const bool last_wg = wg == kC - 1;
     auto hand_on = [&]() { turn_pass<kC>(wg); };
-    if (turns && last_wg) hand_on();
+    if (kPP && last_wg) hand_on();
     int it = 0, tc = 0;   // the CTA's K/V step at this tile's first K/V tile; tiles done
     for (int tile = ws_walk(0, tiles); tile >= 0; tile = ws_walk(++tc, tiles)) {
         const WsTile w = ws_tile<BM, TK>(tile, section, p, dv);
@@ -342,10 +338,10 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
             // The pipeline of the tiled wgmma variant, with the stages' barriers in place of its
             // copies: n_kv + 1 turns.
             wait_k(0);
-            if (turns) turn_wait(wg);
+            if (kPP) turn_wait(wg);
             issue_qk(0);
             wg_commit();
-            if (turns) hand_on();
+            if (kPP) hand_on();
             wg_wait<0>();
             fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));
             s_done(0);
@@ -355,12 +351,12 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
                 if (wait_v(n)) scalar_pv_nonfinite(n * TK);
                 uint32_t pa[kNTiles / 2][4];   // P of tile n; read by the wgmma until it completes
                 pack_p<bf16>(pa, s);
-                if (turns) turn_wait(wg);
+                if (kPP) turn_wait(wg);
                 issue_qk(n + 1);
                 wg_commit();
                 pv_wgmma<bf16, DP, TK>(o, pa, sV((it + n) % S));
                 wg_commit();
-                if (turns) hand_on();
+                if (kPP) hand_on();
                 wg_wait<1>();
                 fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));
                 s_done(n + 1);
@@ -374,10 +370,10 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
             {
                 uint32_t pa[kNTiles / 2][4];
                 pack_p<bf16>(pa, s);
-                if (turns) turn_wait(wg);
+                if (kPP) turn_wait(wg);
                 pv_wgmma<bf16, DP, TK>(o, pa, sV((it + n_kv - 1) % S));
                 wg_commit();
-                if (turns && (!last_wg || more)) hand_on();
+                if (kPP && (!last_wg || more)) hand_on();
                 wg_wait<0>();
                 fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
                 mbar_arrive(&free_v[(it + n_kv - 1) % S]);
@@ -386,10 +382,10 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
             // One tile at a time (S, softmax, P V; 2 n_kv turns).
             for (int n = 0; n < n_kv; ++n) {
                 wait_k(n);
-                if (turns) turn_wait(wg);
+                if (kPP) turn_wait(wg);
                 issue_qk(n);
                 wg_commit();
-                if (turns) hand_on();
+                if (kPP) hand_on();
                 wg_wait<0>();
                 fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));
                 s_done(n);
@@ -398,10 +394,10 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
                 if (wait_v(n)) scalar_pv_nonfinite(n * TK);
                 uint32_t pa[kNTiles / 2][4];
                 pack_p<bf16>(pa, s);
-                if (turns) turn_wait(wg);
+                if (kPP) turn_wait(wg);
                 pv_wgmma<bf16, DP, TK>(o, pa, sV((it + n) % S));
                 wg_commit();
-                if (turns && (!last_wg || n + 1 < n_kv || more)) hand_on();
+                if (kPP && (!last_wg || n + 1 < n_kv || more)) hand_on();
                 wg_wait<0>();
                 fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
                 mbar_arrive(&free_v[(it + n) % S]);
