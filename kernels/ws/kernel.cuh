@@ -77,7 +77,11 @@ template <int DP> struct WsTraits {
     // Stages of the ring (K and V tiles each). At width 128, 3 stages (225 KB in all) measured
     // 1.35x of 2 when a stage's K and V were freed together; at 256, 2 fill the shared memory.
     static constexpr int kStages = DP == 64 ? 4 : DP == 128 ? 3 : 2;
-    static constexpr bool kPingPong = true;             // the consumers take turns issuing products
+    // The consumers take turns issuing products (the kernel's kTurns) while every CTA walks at most
+    // kTurnsUpToRounds tiles: launch_ws picks one of the two compiled kernels. Without turns the
+    // five benchmark shapes (about 8 rounds or more) measured 1.01-1.07x, and shapes of one round
+    // 0.95x; the same choice made at run time inside one kernel cost 4-6% (NOTES v53, v54).
+    static constexpr int kTurnsUpToRounds = 1;
     // S of tile n + 1 beside P V of tile n, up to width 128. At width 256 (O: 128 registers) the
     // overlap spills around the exact non-finite step and measured 2% slower (NOTES v46).
     static constexpr bool kOverlap = DP <= 128;
@@ -141,7 +145,7 @@ __device__ __forceinline__ int ws_walk(int k, int tiles) {
 // q_tma the producer loads the next tile's Q as soon as every consumer has issued its last S
 // product of this one, so the next tile's first products wait for nothing while this one's last
 // P V, softmax and stores finish. Without q_tma the consumers copy Q themselves at each tile.
-template <int kDtype, int DP>
+template <int kDtype, int DP, bool kTurns>
 __global__ void __launch_bounds__(WsTraits<DP>::kThreads, 1)
 gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const TileDivs dv, int tiles, int section,
               int q_tma) {
@@ -264,7 +268,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
     // Turns: warpgroup 0 goes first (the last one's opening pass lets it); each issue of products
     // is one turn, the same number of turns in each warpgroup, and the last warpgroup gives up its
     // very last pass (nobody waits for it), so every barrier ends balanced.
-    constexpr bool kPP = Tr::kPingPong;
+    constexpr bool kPP = kTurns;
     const bool last_wg = wg == kC - 1;
     auto hand_on = [&]() { turn_pass<kC>(wg); };
     if (kPP && last_wg) hand_on();
@@ -459,9 +463,9 @@ inline cudaError_t ws_tensor_map(CUtensorMap* map, const void* data, const GqaPa
 template <int kDtype, int DP>
 cudaError_t launch_ws(const GqaParams& p, cudaStream_t stream, int dev) {
     using Tr = WsTraits<DP>;
-    auto kernel = gqa_ws_kernel<kDtype, DP>;
-    static bool raised[kMaxDevices] = {};
-    cudaError_t err = raise_smem_limit(kernel, Tr::kSmemBytes, dev, raised);
+    static bool raised[2][kMaxDevices] = {};
+    cudaError_t err = raise_smem_limit(gqa_ws_kernel<kDtype, DP, true>, Tr::kSmemBytes, dev, raised[1]);
+    if (err == cudaSuccess) err = raise_smem_limit(gqa_ws_kernel<kDtype, DP, false>, Tr::kSmemBytes, dev, raised[0]);
     if (err != cudaSuccess) return err;
     const bool bf16 = kDtype == kGqaBFloat16;
     WsMaps maps;
@@ -482,6 +486,8 @@ cudaError_t launch_ws(const GqaParams& p, cudaStream_t stream, int dev) {
     const int64_t pairs = int64_t(p.B) * p.Hkv, pair_bytes = int64_t(p.T) * p.D * 2 * 2;   // K and V, 16-bit
     const bool sections = Tr::kL2SectionBytes > 0 && pairs * pair_bytes > 2 * Tr::kL2SectionBytes;
     const int64_t section = sections ? std::min(pairs, std::max<int64_t>(1, Tr::kL2SectionBytes / pair_bytes)) : pairs;
+    const bool turns = tiles <= int64_t(Tr::kTurnsUpToRounds) * ctas;
+    auto kernel = turns ? gqa_ws_kernel<kDtype, DP, true> : gqa_ws_kernel<kDtype, DP, false>;
     kernel<<<unsigned(ctas), Tr::kThreads, Tr::kSmemBytes, stream>>>(maps, p, dv, int(tiles), int(section), q_tma ? 1 : 0);
     return cudaGetLastError();
 }
