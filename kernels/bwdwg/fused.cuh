@@ -24,7 +24,6 @@ namespace {
 template <int DP> struct FusedTraits {
     static constexpr int kKeys = 128;       // keys per CTA, 64 per warpgroup
     static constexpr int kRows = 64;        // query rows a step
-    static constexpr int kThreads = 256;
     static constexpr int kKvHalves = kKeys * DP, kRowHalves = kRows * DP, kDsHalves = kKeys * kRows;
     // How a warpgroup's dQ share of a step reaches the sum:
     //   kTurn: at the end of the step the CTA waits for its turn, then reads, adds and writes its
@@ -36,18 +35,27 @@ template <int DP> struct FusedTraits {
     //     the piece (cp.reduce.async.bulk, no registers held) issued by one thread in its turn;
     //     the thread awaits its completion at the next step's issue and only then hands the turn
     //     on, so the products never wait for the add;
-    //   kBulkUnordered: kBulk with no turn: not deterministic.
-    enum class DqAdd { kTurn, kTurnDeferred, kRed, kBulk, kBulkUnordered };
+    //   kBulkUnordered: kBulk with no turn: not deterministic;
+    //   kWriter: the share to shared memory (two buffers a warpgroup), handed by a named barrier to
+    //     a writer warp (the first of a third warpgroup, which gives its registers to the two
+    //     others): it waits for the turn, issues the bulk reduction, awaits its completion, hands
+    //     the turn on and frees the buffer, so the products wait only when it is two steps behind.
+    enum class DqAdd { kTurn, kTurnDeferred, kRed, kBulk, kBulkUnordered, kWriter };
     static constexpr DqAdd kDqAdd = DqAdd::kTurn;
     static constexpr bool kBulk = kDqAdd == DqAdd::kBulk || kDqAdd == DqAdd::kBulkUnordered;
+    static constexpr bool kWriter = kDqAdd == DqAdd::kWriter;
+    static constexpr int kMmaThreads = 256;                          // the two warpgroups of products
+    static constexpr int kThreads = kMmaThreads + (kWriter ? 128 : 0);
+    static constexpr int kMmaRegs = 240, kWriterRegs = 24;           // kWriter: setmaxnreg
+    static_assert(kMmaRegs * kMmaThreads + kWriterRegs * 128 <= 65536, "the register file holds every warpgroup");
     static constexpr int kAdders = DP == 128 ? 2 : 1;   // warpgroups with dQ columns (64 each)
     static constexpr int kPieceFloats = 64 * 64;        // one warpgroup's share of a block
     // K, V, two stages of (Q, dO), dS^T, two stages of (lse2, delta), then the held dQ share (a
     // thread's 8 float4 strided by the 256 threads) or the bulk buffers; 1024 of alignment slack.
-    static constexpr int kHeldBytes = 8 * kThreads * 16;
+    static constexpr int kHeldBytes = 8 * kMmaThreads * 16;
     static constexpr int kBulkBytes = kAdders * 2 * kPieceFloats * 4;
     static constexpr int kSmem = 1024 + 2 * (2 * kKvHalves + 4 * kRowHalves + kDsHalves) + 2 * 2 * kRows * 4 +
-                                 (kDqAdd == DqAdd::kTurnDeferred ? kHeldBytes : kBulk ? kBulkBytes : 0);
+                                 (kDqAdd == DqAdd::kTurnDeferred ? kHeldBytes : kBulk || kWriter ? kBulkBytes : 0);
     static_assert(kSmem <= 227 * 1024, "one CTA's shared memory");
 };
 
@@ -76,6 +84,13 @@ template <int N> __device__ __forceinline__ void bulk_wait_read() {
 }
 // The 128 threads of warpgroup wg (named barrier 1 + wg; __syncthreads holds 0).
 __device__ __forceinline__ void wg_barrier(int wg) { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory"); }
+// Named barrier `id` of `count` threads: waiting, or arriving only.
+__device__ __forceinline__ void named_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
+__device__ __forceinline__ void named_arrive(int id, int count) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
+// kWriter's barriers (1 is the two warpgroups' own): warpgroup c's buffer j full, and free again.
+__device__ __forceinline__ int dq_full_id(int c, int j) { return 2 + 2 * c + j; }
+__device__ __forceinline__ int dq_empty_id(int c, int j) { return 6 + 2 * c + j; }
+constexpr int kHandOver = 128 + 32;   // a warpgroup and the writer warp
 
 // Rows [row0, row0 + ROWS) of one head of a contiguous [B, T, H, DP] tensor into a swizzled tile
 // of ROWS rows (sw128_offset), by THREADS threads, 16 bytes a copy; rows at or past T are zeros. A
@@ -98,7 +113,7 @@ __device__ __forceinline__ void swizzled_load(uint16_t* tile, const uint16_t* ba
 }
 
 template <bool kBf16, int DP>
-__global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParams p) {
+__global__ void __launch_bounds__(FusedTraits<DP>::kThreads, 1) gqa_bwd_fused_kernel(const GqaBwdParams p) {
     using Tr = FusedTraits<DP>;
     if (*p.nonfinite) return;   // the row-wise kernels take this call
     extern __shared__ __align__(16) unsigned char fused_smem[];
@@ -123,6 +138,48 @@ __global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParam
     const int steps = (n_q - 2 * kt) * G;   // query tiles 2 kt .. n_q - 1 see a key of this CTA
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4, cw = warp % 4;
     const int gid = lane >> 2, tig = lane & 3;
+    if constexpr (Tr::kWriter) {
+        if (wg == 2) {   // the writer warpgroup: its first warp adds the shares, the others leave
+            regs_dec<Tr::kWriterRegs>();
+            if (warp != 8) return;
+            for (int i = 0; i < steps; ++i) {
+                const int qi = n_q - 1 - i / G, h = kvh * G + i % G, j = i & 1;
+                int* order = p.dq_order + (b * p.Hq + h) * n_q + qi;
+                float* block = p.dq_accum + ((b * p.Hq + h) * n_q + qi) * int64_t(64 * DP);
+                if (lane == 0) {
+                    while (load_acquire(order) < Tr::kAdders * kt) {
+                    }
+                    fence_async_global();
+                }
+                __syncwarp();
+                for (int c = 0; c < Tr::kAdders; ++c) {
+                    named_sync(dq_full_id(c, j), kHandOver);
+                    if (lane == 0) {
+                        bulk_reduce_add(block + c * Tr::kPieceFloats, held + (2 * c + j) * Tr::kPieceFloats, Tr::kPieceFloats * 4);
+                        bulk_commit();
+                    }
+                }
+                if (lane == 0) {
+                    bulk_wait<0>();
+                    fence_async_global();
+                    add_release(order, Tr::kAdders);
+                }
+                __syncwarp();
+                if (i + 2 < steps)   // (the warpgroups wait on buffer j again at step i + 2)
+                    for (int c = 0; c < Tr::kAdders; ++c) named_arrive(dq_empty_id(c, j), kHandOver);
+            }
+            return;
+        }
+        regs_inc<Tr::kMmaRegs>();
+    }
+    // The two warpgroups' barrier: __syncthreads, or with a writer warpgroup named barrier 1.
+    auto mma_sync = [&]() {
+        if constexpr (Tr::kWriter) {
+            named_sync(1, Tr::kMmaThreads);
+        } else {
+            __syncthreads();
+        }
+    };
     const int kw0 = k0 + 64 * wg;           // this warpgroup's first key
     const int cb = DP == 128 ? wg : 0;      // the 64 columns of dQ this warpgroup computes and adds
     const bool bf16 = kBf16;
@@ -137,7 +194,7 @@ __global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParam
         const int q0 = step_tile(i) * Tr::kRows, h = step_head(i);
         swizzled_load<DP, 64, 256>(sQ(st), static_cast<const uint16_t*>(p.q), b, q0, h, p.Hq, T);
         swizzled_load<DP, 64, 256>(sdO(st), static_cast<const uint16_t*>(p.dout), b, q0, h, p.Hq, T);
-        for (int r = threadIdx.x; r < Tr::kRows; r += Tr::kThreads) {
+        for (int r = threadIdx.x; r < Tr::kRows; r += Tr::kMmaThreads) {
             const int t = q0 + r;
             const int64_t row = (b * T + (t < T ? t : 0)) * p.Hq + h;
             cp_async4(lse2_s(st) + r, p.lse2 + row, t < T ? 4 : 0);
@@ -175,7 +232,7 @@ __global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParam
         __syncthreads();
         if (threadIdx.x == 0) add_release(order, Tr::kAdders);
     };
-    auto held_share = [&](int n) { return reinterpret_cast<const float4*>(held)[n * Tr::kThreads + threadIdx.x]; };
+    auto held_share = [&](int n) { return reinterpret_cast<const float4*>(held)[n * Tr::kMmaThreads + threadIdx.x]; };
     // kRed: this warpgroup's share added in place, in no fixed order.
     auto red_dq = [&](int step, const float (&dq)[8][4]) {
         float4* piece = reinterpret_cast<float4*>(piece_of(step)) + wt;
@@ -187,6 +244,17 @@ __global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParam
     // first awaits its previous reduction's completion and hands that turn on, then waits for
     // this step's turn. It holds one group at most, so the buffer written here (read by the
     // reduction of step - 2) is free once its wait returns.
+    // kWriter: the share into buffer step % 2 of this warpgroup, once the writer has freed it.
+    auto hand_dq = [&](int step, const float (&dq)[8][4]) {
+        const int j = step & 1;
+        float* buffer = held + (cb * 2 + j) * Tr::kPieceFloats;
+        if (step >= 2) named_sync(dq_empty_id(cb, j), kHandOver);
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+            reinterpret_cast<float4*>(buffer)[128 * n + wt] = make_float4(dq[n][0], dq[n][1], dq[n][2], dq[n][3]);
+        fence_async_proxy();
+        named_arrive(dq_full_id(cb, j), kHandOver);
+    };
     auto bulk_dq = [&](int step, const float (&dq)[8][4]) {
         float* buffer = held + (cb * 2 + (step & 1)) * Tr::kPieceFloats;
         if (wt == 0) bulk_wait_read<1>();
@@ -223,7 +291,7 @@ __global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParam
         cp_async_commit();    // (empty on the last step)
         cp_async_wait<1>();   // everything but the step just issued has landed
         fence_async_proxy();
-        __syncthreads();
+        mma_sync();
         const float* lse2_t = lse2_s(st);
         const float* delta_t = delta_s(st);
         float s[8][4], dp[8][4];
@@ -279,7 +347,7 @@ __global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParam
         wg_wait<0>();
         fence_regs(reinterpret_cast<float(&)[DP / 2]>(dv));
         fence_regs(reinterpret_cast<float(&)[DP / 2]>(dk));
-        __syncthreads();   // both warpgroups' dS^T
+        mma_sync();   // both warpgroups' dS^T
         // dQ's share: 64 query rows x columns 64 cb .. + 63, summed over the 128 keys. A = dS, the
         // stored dS^T read M-major; B = K read N-major (as V in P V).
         float dq[8][4];
@@ -299,13 +367,15 @@ __global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParam
             if (cb == wg) {
 #pragma unroll
                 for (int n = 0; n < 8; ++n)
-                    reinterpret_cast<float4*>(held)[n * Tr::kThreads + threadIdx.x] = make_float4(dq[n][0], dq[n][1], dq[n][2], dq[n][3]);
+                    reinterpret_cast<float4*>(held)[n * Tr::kMmaThreads + threadIdx.x] = make_float4(dq[n][0], dq[n][1], dq[n][2], dq[n][3]);
             }
             __syncthreads();   // stage st and dS^T are free again
         } else if constexpr (Tr::kDqAdd == Tr::DqAdd::kRed) {
             if (cb == wg) red_dq(i, dq);
         } else if constexpr (Tr::kBulk) {
             if (cb == wg) bulk_dq(i, dq);
+        } else if constexpr (Tr::kWriter) {
+            if (cb == wg) hand_dq(i, dq);
         } else {
             add_dq(i, [&](int n) { return make_float4(dq[n][0], dq[n][1], dq[n][2], dq[n][3]); });
         }

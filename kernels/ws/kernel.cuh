@@ -43,9 +43,6 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, u
                  ::"r"(smem_addr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
                  : "memory");
 }
-// Register reallocation between warpgroups (every thread of the warpgroup executes it).
-template <int N> __device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
-template <int N> __device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
 // A barrier among the consumer warpgroups only (id 1; id 0 is __syncthreads).
 template <int kConsumers> __device__ __forceinline__ void consumers_sync() {
     asm volatile("bar.sync 1, %0;\n" ::"n"(128 * kConsumers) : "memory");
