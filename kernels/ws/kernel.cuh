@@ -79,6 +79,9 @@ template <int DP> struct WsTraits {
     // five benchmark shapes (about 8 rounds or more) measured 1.01-1.07x, and shapes of one round
     // 0.95x; the same choice made at run time inside one kernel cost 4-6% (NOTES v53, v54).
     static constexpr int kTurnsUpToRounds = 1;
+    // n-tiles of each S row (of TK / 8) whose exponentials run on the FMA pipe (fma_exp2), the
+    // rest on MUFU: at width 64 a tile's exponentials take the MUFU pipe as long as its products.
+    static constexpr int kFmaExpTiles = 0;
     // S of tile n + 1 beside P V of tile n, up to width 128. At width 256 (O: 128 registers) the
     // overlap spills around the exact non-finite step and measured 2% slower (NOTES v46).
     static constexpr bool kOverlap = DP <= 128;
@@ -313,7 +316,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
                         if (key0 + j * 8 + 2 * tig + (e & 1) > row_t[e >> 1]) s[j][e] = -INFINITY;
             }
 #pragma unroll
-            for (int r = 0; r < 2; ++r) f[r] = softmax_row<kNTiles>(s, 2 * r, m[r], l[r], scale_log2);
+            for (int r = 0; r < 2; ++r) f[r] = softmax_row<kNTiles, false, Tr::kFmaExpTiles>(s, 2 * r, m[r], l[r], scale_log2);
         };
         auto scalar_pv_nonfinite = [&](int key0) { add_nonfinite_pv(o, s, row_t, key0, head.v, p.v_stride_t, T, p.D, bf16); };
         auto issue_qk = [&](int n) { qk_wgmma<bf16, DP, BM, TK>(s, sQ, wg * 64, sK((it + n) % S)); };
