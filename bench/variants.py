@@ -45,6 +45,7 @@ VARIANTS = {
     "fma_exp_eighth_at_64": [(WS, "kFmaExpTiles = 0;", "kFmaExpTiles = DP == 64 ? 2 : 0;")],
     "turns_always": [(WS, "kTurnsUpToRounds = 1;", "kTurnsUpToRounds = 1 << 30;")],
     "bwd_early_issue": [("kernels/bwdmma/kernels.cuh", "kBwdEarlyIssue = false;", "kBwdEarlyIssue = true;")],
+    "bwd_stats_from_shared": [("kernels/bwdmma/kernels.cuh", "kBwdStatsInRegs = true;", "kBwdStatsInRegs = false;")],
     "no_l2_sections": [(WS, "kL2SectionBytes = int64_t(24) << 20;", "kL2SectionBytes = 0;")],
     "l2_sections_12mb": [(WS, "kL2SectionBytes = int64_t(24) << 20;", "kL2SectionBytes = int64_t(12) << 20;")],
     "l2_sections_40mb": [(WS, "kL2SectionBytes = int64_t(24) << 20;", "kL2SectionBytes = int64_t(40) << 20;")],

@@ -305,27 +305,32 @@ __global__ void __launch_bounds__(FusedTraits<DP>::kThreads, 1) gqa_bwd_fused_ke
         // Masks only where a query can precede one of these keys or a row or key is past T.
         const bool edge = q0 < kw0 + 64 || q0 + Tr::kRows > T || kw0 + 64 > T;
         const int j_base = kw0 + 16 * cw;
+        // This thread's query columns' lse2 and delta, read before the waits (kBwdStatsInRegs).
+        float column[kTile / 8][2];
+        auto stat_of = [&](const float* stat, int n, int e) { return kBwdStatsInRegs ? column[n][e & 1] : stat[frag_col(lane, n, e)]; };
+        if (kBwdStatsInRegs) read_columns(column, lse2_t, lane);
         wg_wait<1>();
         fence_regs(reinterpret_cast<float(&)[32]>(s));
 #pragma unroll
         for (int n = 0; n < 8; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int j = j_base + frag_row(lane, e), c = frag_col(lane, n, e), t = q0 + c;
+                const int j = j_base + frag_row(lane, e), t = q0 + frag_col(lane, n, e);
                 const bool masked = edge && (t < j || t >= T || j >= T);
-                const float p_t = fast_exp2(s[n][e] * p.scale_log2 - lse2_t[c]);   // c < 64: always in the tile
+                const float p_t = fast_exp2(s[n][e] * p.scale_log2 - stat_of(lse2_t, n, e));   // columns < 64: in the tile
                 s[n][e] = masked ? 0.f : p_t;   // P^T
             }
         uint32_t pa[4][4], pa2[4][4];
         pack_p<kBf16>(pa, s);
         pv_wgmma<kBf16, DP, 64>(dv, pa, sdO(st));   // dV += P^T dO
         wg_commit();
+        if (kBwdStatsInRegs) read_columns(column, delta_t, lane);
         wg_wait<1>();
         fence_regs(reinterpret_cast<float(&)[32]>(dp));
 #pragma unroll
         for (int n = 0; n < 8; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - delta_t[frag_col(lane, n, e)]);   // dS^T
+            for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - stat_of(delta_t, n, e));   // dS^T
         pack_p<kBf16>(pa2, dp);
         pv_wgmma<kBf16, DP, 64>(dk, pa2, sQ(st));   // dK += dS^T Q
         wg_commit();
