@@ -37,6 +37,20 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
                  "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
                  "@!done bra WS_WAIT;\n}\n" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
 }
+// mbar_wait with a suspend-time hint of kNs nanoseconds a try (ptxas: NANOSLEEP.SYNCS between
+// tries): for the producer's waits for a free stage, off the consumers' path by the ring's slack,
+// whose tries (three instructions every 20 or so cycles, 7% of the kernel's issued instructions at
+// (1, 8192, 32, 8, 128)) take issue slots from the consumer warps on the same scheduler.
+// kNs = 0: mbar_wait.
+template <uint32_t kNs> __device__ __forceinline__ void mbar_wait_idle(uint64_t* bar, uint32_t parity) {
+    if constexpr (kNs == 0) {
+        mbar_wait(bar, parity);
+    } else {
+        asm volatile("{\n.reg .pred done;\nWS_WAIT_IDLE:\n"
+                     "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, %2;\n"
+                     "@!done bra WS_WAIT_IDLE;\n}\n" ::"r"(smem_addr(bar)), "r"(parity), "n"(kNs) : "memory");
+    }
+}
 // A box of the 4-D tensor map (coordinates innermost first) into shared memory; completes on `bar`.
 __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2, int c3) {
     asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
@@ -82,6 +96,8 @@ template <int DP> struct WsTraits {
     // n-tiles of each S row (of TK / 8) whose exponentials run on the FMA pipe (fma_exp2), the
     // rest on MUFU: at width 64 a tile's exponentials take the MUFU pipe as long as its products.
     static constexpr int kFmaExpTiles = 0;
+    // The producer's waits for a free stage may sleep this long a try (mbar_wait_idle; 0: spin).
+    static constexpr uint32_t kProducerSleepNs = 0;
     // S of tile n + 1 beside P V of tile n, up to width 128. At width 256 (O: 128 registers) the
     // overlap spills around the exact non-finite step and measured 2% slower (NOTES v46).
     static constexpr bool kOverlap = DP <= 128;
@@ -195,7 +211,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
                 // S before it there is free.
                 auto load = [&](const CUtensorMap* map, uint64_t* full, uint64_t* free_, bool v, int step, int n, const WsTile& w) {
                     const int st = step % S;
-                    if (step >= S) mbar_wait(&free_[st], uint32_t((step / S - 1) & 1));
+                    if (step >= S) mbar_wait_idle<Tr::kProducerSleepNs>(&free_[st], uint32_t((step / S - 1) & 1));
                     mbar_arrive_expect(&full[st], uint32_t(Tr::kTileBytes));
                     Elem* dst = v ? sV(st) : sK(st);
 #pragma unroll
@@ -207,7 +223,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
                     const WsTile w = ws_tile<BM, TK>(tile, section, p, dv);
                     load(&maps.k, full_k, free_k, false, it, 0, w);
                     if (q_tma) {
-                        if (tc > 0) mbar_wait(&free_q, uint32_t((tc - 1) & 1));
+                        if (tc > 0) mbar_wait_idle<Tr::kProducerSleepNs>(&free_q, uint32_t((tc - 1) & 1));
                         mbar_arrive_expect(&full_q, uint32_t(Tr::kQBytes));
 #pragma unroll
                         for (int blk = 0; blk < DP / 64; ++blk)
