@@ -34,7 +34,8 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // 2^x on the FMA and integer pipes, no MUFU: x = n + f with n = round(x) (added to 1.5 * 2^23, whose
 // low mantissa bits then hold n), 2^f by a degree-4 polynomial (relative error 2.7e-6 on
 // [-0.5, 0.5], below half an fp16 ulp), n added to the exponent field. For x <= 0 (a score minus
-// its row's maximum): below -126 it gives about 2^-126 where fast_exp2 gives 0, and NaN stays NaN.
+// its row's maximum); below -126 it gives 0 as fast_exp2 does (a masked key's -inf included: a
+// bf16 P of 2^-126 times a V near bf16's largest would not vanish), and NaN stays NaN.
 __device__ __forceinline__ float fma_exp2(float x) {
     const float xc = x < -126.f ? -126.f : x;   // (false for NaN)
     const float t = xc + 12582912.f;
@@ -46,7 +47,7 @@ __device__ __forceinline__ float fma_exp2(float x) {
     p = fmaf(p, f, 0.99999928f);
     // t's bits are 0x4b400000 + n, and 0x4b400000 << 23 is 0 in 32 bits: the shift leaves n << 23.
     const float y = __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-    return x != x ? x : y;
+    return x >= -126.f ? y : x != x ? x : 0.f;
 }
 
 __device__ __forceinline__ uint32_t to_tf32(float x) {
