@@ -38,10 +38,9 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
                  "@!done bra WS_WAIT;\n}\n" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
 }
 // mbar_wait with a suspend-time hint of kNs nanoseconds a try (ptxas: NANOSLEEP.SYNCS between
-// tries): for the producer's waits for a free stage, off the consumers' path by the ring's slack,
-// whose tries (three instructions every 20 or so cycles, 7% of the kernel's issued instructions at
-// (1, 8192, 32, 8, 128)) take issue slots from the consumer warps on the same scheduler.
-// kNs = 0: mbar_wait.
+// tries), for the producer warpgroup's waits, whose tries (three instructions each, about 20 cycles
+// apart; 14% of the kernel's issued instructions at (1, 8192, 32, 8, 128)) take issue slots from
+// the consumer warps on the same schedulers. kNs = 0: mbar_wait.
 template <uint32_t kNs> __device__ __forceinline__ void mbar_wait_idle(uint64_t* bar, uint32_t parity) {
     if constexpr (kNs == 0) {
         mbar_wait(bar, parity);
@@ -96,8 +95,10 @@ template <int DP> struct WsTraits {
     // n-tiles of each S row (of TK / 8) whose exponentials run on the FMA pipe (fma_exp2), the
     // rest on MUFU: at width 64 a tile's exponentials take the MUFU pipe as long as its products.
     static constexpr int kFmaExpTiles = 0;
-    // The producer's waits for a free stage may sleep this long a try (mbar_wait_idle; 0: spin).
-    static constexpr uint32_t kProducerSleepNs = 0;
+    // The producer's waits for a free stage, and the V scan's for a landed V tile, may sleep this
+    // long a try (mbar_wait_idle; 0: spin). In the ncu profile of (1, 8192, 32, 8, 128) each kind
+    // spun about 10 million tries.
+    static constexpr uint32_t kProducerSleepNs = 0, kScanSleepNs = 0;
     // S of tile n + 1 beside P V of tile n, up to width 128. At width 256 (O: 128 registers) the
     // overlap spills around the exact non-finite step and measured 2% slower (NOTES v46).
     static constexpr bool kOverlap = DP <= 128;
@@ -250,7 +251,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
             const WsTile w = ws_tile<BM, TK>(tile, section, p, dv);
             for (int n = 0; n < w.n_kv; ++n, ++it) {
                 const int st = it % S;
-                mbar_wait(&full_v[st], uint32_t((it / S) & 1));
+                mbar_wait_idle<Tr::kScanSleepNs>(&full_v[st], uint32_t((it / S) & 1));
                 if (n * TK + TK - 1 > w.t_lo) {
                     uint4* chunks = reinterpret_cast<uint4*>(sV(st));
                     bool hit = false;
