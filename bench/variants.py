@@ -29,10 +29,7 @@ DQ_ADD = ("kernels/bwdwg/fused.cuh", "kDqAdd = DqAdd::kTurn;")   # the fused ker
 VARIANTS = {
     "base": [],
     "fused_backward": [FUSED],
-    "defer_dq_add": [FUSED, (DQ_ADD[0], DQ_ADD[1], "kDqAdd = DqAdd::kTurnDeferred;")],
     "atomic_dq_add": [FUSED, (DQ_ADD[0], DQ_ADD[1], "kDqAdd = DqAdd::kRed;")],
-    "bulk_dq_add": [FUSED, (DQ_ADD[0], DQ_ADD[1], "kDqAdd = DqAdd::kBulk;")],
-    "bulk_dq_add_unordered": [FUSED, (DQ_ADD[0], DQ_ADD[1], "kDqAdd = DqAdd::kBulkUnordered;")],
     "writer_dq_add": [FUSED, (DQ_ADD[0], DQ_ADD[1], "kDqAdd = DqAdd::kWriter;")],
     "rowwise_backward_at_256": [("kernels/attention.cu", "kWgAt256 = true;", "kWgAt256 = false;")],
     "not_persistent": [(WS, "kPersistent = true;", "kPersistent = false;")],

@@ -319,7 +319,7 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdPara
         // Masks only where a query can precede a key (the diagonal tile) or a row or key is past T.
         const bool edge = q0 == k0 || q0 + kTile > p.T;
         const int j_base = k0 + 16 * warp;
-        float column[kTile / 8][2];
+        float column[kTile / 8][2] = {};
         auto stat_of = [&](const float* stat, int n, int e) { return kBwdStatsInRegs ? column[n][e & 1] : stat[frag_col(lane, n, e)]; };
         if (kBwdStatsInRegs) read_columns(column, lse2_t, lane);
         Pol::template wait<1>();   // S^T; dP^T still running

@@ -13,7 +13,7 @@
 //     the order of its threads' accumulators (float4 n of thread w at n * 128 + w), so that a
 //     share is one contiguous piece (FusedTraits::kDqAdd says how it is added).
 //  3. dQ = the sum times 1 / sqrt(D), in the input dtype, rows back in [B, T, Hq, D] order.
-// Deterministic in every kDqAdd but kRed and kBulkUnordered: every sum runs in a fixed order.
+// Deterministic in every kDqAdd but kRed: every sum runs in a fixed order.
 #ifndef GQA_BWDWG_FUSED_CUH
 #define GQA_BWDWG_FUSED_CUH
 
@@ -28,21 +28,16 @@ template <int DP> struct FusedTraits {
     // How a warpgroup's dQ share of a step reaches the sum:
     //   kTurn: at the end of the step the CTA waits for its turn, then reads, adds and writes its
     //     pieces through L2 and hands the turn on;
-    //   kTurnDeferred: the same at the next step, under its first two products (the share held in
-    //     shared memory meanwhile);
     //   kRed: float4 adds from registers (RED), no turn: not deterministic, an instrument;
-    //   kBulk: the share to shared memory (two buffers a warpgroup), then one bulk reduction of
-    //     the piece (cp.reduce.async.bulk, no registers held) issued by one thread in its turn;
-    //     the thread awaits its completion at the next step's issue and only then hands the turn
-    //     on, so the products never wait for the add;
-    //   kBulkUnordered: kBulk with no turn: not deterministic;
     //   kWriter: the share to shared memory (two buffers a warpgroup), handed by a named barrier to
     //     a writer warp (the first of a third warpgroup, which gives its registers to the two
-    //     others): it waits for the turn, issues the bulk reduction, awaits its completion, hands
-    //     the turn on and frees the buffer, so the products wait only when it is two steps behind.
-    enum class DqAdd { kTurn, kTurnDeferred, kRed, kBulk, kBulkUnordered, kWriter };
+    //     others): it waits for the turn, issues a bulk reduction of the piece
+    //     (cp.reduce.async.bulk, no registers held), awaits its completion, hands the turn on and
+    //     frees the buffer, so the products wait only when it is two steps behind.
+    // (The turn one step later, and the bulk reduction issued by the products' own warpgroups, in
+    // turn or not, measured slower: bench/NOTES.md v53, v54.)
+    enum class DqAdd { kTurn, kRed, kWriter };
     static constexpr DqAdd kDqAdd = DqAdd::kTurn;
-    static constexpr bool kBulk = kDqAdd == DqAdd::kBulk || kDqAdd == DqAdd::kBulkUnordered;
     static constexpr bool kWriter = kDqAdd == DqAdd::kWriter;
     static constexpr int kMmaThreads = 256;                          // the two warpgroups of products
     static constexpr int kThreads = kMmaThreads + (kWriter ? 128 : 0);
@@ -50,12 +45,11 @@ template <int DP> struct FusedTraits {
     static_assert(kMmaRegs * kMmaThreads + kWriterRegs * 128 <= 65536, "the register file holds every warpgroup");
     static constexpr int kAdders = DP == 128 ? 2 : 1;   // warpgroups with dQ columns (64 each)
     static constexpr int kPieceFloats = 64 * 64;        // one warpgroup's share of a block
-    // K, V, two stages of (Q, dO), dS^T, two stages of (lse2, delta), then the held dQ share (a
-    // thread's 8 float4 strided by the 256 threads) or the bulk buffers; 1024 of alignment slack.
-    static constexpr int kHeldBytes = 8 * kMmaThreads * 16;
-    static constexpr int kBulkBytes = kAdders * 2 * kPieceFloats * 4;
+    // K, V, two stages of (Q, dO), dS^T, two stages of (lse2, delta), then kWriter's buffers; 1024
+    // of alignment slack.
+    static constexpr int kBufferBytes = kAdders * 2 * kPieceFloats * 4;
     static constexpr int kSmem = 1024 + 2 * (2 * kKvHalves + 4 * kRowHalves + kDsHalves) + 2 * 2 * kRows * 4 +
-                                 (kDqAdd == DqAdd::kTurnDeferred ? kHeldBytes : kBulk || kWriter ? kBulkBytes : 0);
+                                 (kWriter ? kBufferBytes : 0);
     static_assert(kSmem <= 227 * 1024, "one CTA's shared memory");
 };
 
@@ -78,12 +72,6 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, ui
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Until at most N of this thread's bulk groups are still running (N = 0: all complete, writes done).
 template <int N> __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory"); }
-// Until at most N of them still read their source.
-template <int N> __device__ __forceinline__ void bulk_wait_read() {
-    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
-}
-// The 128 threads of warpgroup wg (named barrier 1 + wg; __syncthreads holds 0).
-__device__ __forceinline__ void wg_barrier(int wg) { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory"); }
 // Named barrier `id` of `count` threads: waiting, or arriving only.
 __device__ __forceinline__ void named_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
 __device__ __forceinline__ void named_arrive(int id, int count) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
@@ -127,7 +115,7 @@ __global__ void __launch_bounds__(FusedTraits<DP>::kThreads, 1) gqa_bwd_fused_ke
     uint16_t* sdS = sQ(2);   // dS^T: [128 keys][64 query rows], swizzled
     auto lse2_s = [&](int st) { return reinterpret_cast<float*>(sdS + Tr::kDsHalves) + st * 2 * Tr::kRows; };
     auto delta_s = [&](int st) { return lse2_s(st) + Tr::kRows; };
-    float* held = delta_s(1) + Tr::kRows;   // kTurnDeferred: [8][256] float4; kBulk: [kAdders][2][4096]
+    float* held = delta_s(1) + Tr::kRows;   // kWriter: [kAdders][2][4096]
 
     // Key tile kt of (b, kv head), key tiles ascending with blockIdx.
     const int64_t bh_count = int64_t(p.B) * p.Hkv;
@@ -232,18 +220,12 @@ __global__ void __launch_bounds__(FusedTraits<DP>::kThreads, 1) gqa_bwd_fused_ke
         __syncthreads();
         if (threadIdx.x == 0) add_release(order, Tr::kAdders);
     };
-    auto held_share = [&](int n) { return reinterpret_cast<const float4*>(held)[n * Tr::kMmaThreads + threadIdx.x]; };
     // kRed: this warpgroup's share added in place, in no fixed order.
     auto red_dq = [&](int step, const float (&dq)[8][4]) {
         float4* piece = reinterpret_cast<float4*>(piece_of(step)) + wt;
 #pragma unroll
         for (int n = 0; n < 8; ++n) atomicAdd(piece + 128 * n, make_float4(dq[n][0], dq[n][1], dq[n][2], dq[n][3]));
     };
-    // kBulk: the share into buffer step % 2 of this warpgroup, then (thread 0 of the warpgroup)
-    // one bulk reduction of the 16 KB piece. In turn (kBulk, not kBulkUnordered), the thread
-    // first awaits its previous reduction's completion and hands that turn on, then waits for
-    // this step's turn. It holds one group at most, so the buffer written here (read by the
-    // reduction of step - 2) is free once its wait returns.
     // kWriter: the share into buffer step % 2 of this warpgroup, once the writer has freed it.
     auto hand_dq = [&](int step, const float (&dq)[8][4]) {
         const int j = step & 1;
@@ -254,31 +236,6 @@ __global__ void __launch_bounds__(FusedTraits<DP>::kThreads, 1) gqa_bwd_fused_ke
             reinterpret_cast<float4*>(buffer)[128 * n + wt] = make_float4(dq[n][0], dq[n][1], dq[n][2], dq[n][3]);
         fence_async_proxy();
         named_arrive(dq_full_id(cb, j), kHandOver);
-    };
-    auto bulk_dq = [&](int step, const float (&dq)[8][4]) {
-        float* buffer = held + (cb * 2 + (step & 1)) * Tr::kPieceFloats;
-        if (wt == 0) bulk_wait_read<1>();
-        wg_barrier(wg);
-#pragma unroll
-        for (int n = 0; n < 8; ++n)
-            reinterpret_cast<float4*>(buffer)[128 * n + wt] = make_float4(dq[n][0], dq[n][1], dq[n][2], dq[n][3]);
-        fence_async_proxy();
-        wg_barrier(wg);
-        if (wt == 0) {
-            if constexpr (Tr::kDqAdd == Tr::DqAdd::kBulk) {
-                if (step > 0) {
-                    bulk_wait<0>();
-                    fence_async_global();
-                    add_release(order_of(step - 1), 1);
-                }
-                const int* order = order_of(step);
-                while (load_acquire(order) < Tr::kAdders * kt) {
-                }
-                fence_async_global();
-            }
-            bulk_reduce_add(piece_of(step), buffer, Tr::kPieceFloats * 4);
-            bulk_commit();
-        }
     };
 
     load_step(0, 0);
@@ -299,14 +256,11 @@ __global__ void __launch_bounds__(FusedTraits<DP>::kThreads, 1) gqa_bwd_fused_ke
         wg_commit();
         qk_wgmma<kBf16, DP, 128, 64>(dp, sV, 64 * wg, sdO(st));  // dP^T
         wg_commit();
-        if constexpr (Tr::kDqAdd == Tr::DqAdd::kTurnDeferred) {
-            if (i > 0) add_dq(i - 1, held_share);
-        }
         // Masks only where a query can precede one of these keys or a row or key is past T.
         const bool edge = q0 < kw0 + 64 || q0 + Tr::kRows > T || kw0 + 64 > T;
         const int j_base = kw0 + 16 * cw;
         // This thread's query columns' lse2 and delta, read before the waits (kBwdStatsInRegs).
-        float column[kTile / 8][2];
+        float column[kTile / 8][2] = {};
         auto stat_of = [&](const float* stat, int n, int e) { return kBwdStatsInRegs ? column[n][e & 1] : stat[frag_col(lane, n, e)]; };
         if (kBwdStatsInRegs) read_columns(column, lse2_t, lane);
         wg_wait<1>();
@@ -368,35 +322,12 @@ __global__ void __launch_bounds__(FusedTraits<DP>::kThreads, 1) gqa_bwd_fused_ke
             wg_wait<0>();
             fence_regs(reinterpret_cast<float(&)[32]>(dq));
         }
-        if constexpr (Tr::kDqAdd == Tr::DqAdd::kTurnDeferred) {
-            if (cb == wg) {
-#pragma unroll
-                for (int n = 0; n < 8; ++n)
-                    reinterpret_cast<float4*>(held)[n * Tr::kMmaThreads + threadIdx.x] = make_float4(dq[n][0], dq[n][1], dq[n][2], dq[n][3]);
-            }
-            __syncthreads();   // stage st and dS^T are free again
-        } else if constexpr (Tr::kDqAdd == Tr::DqAdd::kRed) {
+        if constexpr (Tr::kDqAdd == Tr::DqAdd::kRed) {
             if (cb == wg) red_dq(i, dq);
-        } else if constexpr (Tr::kBulk) {
-            if (cb == wg) bulk_dq(i, dq);
         } else if constexpr (Tr::kWriter) {
             if (cb == wg) hand_dq(i, dq);
         } else {
             add_dq(i, [&](int n) { return make_float4(dq[n][0], dq[n][1], dq[n][2], dq[n][3]); });
-        }
-    }
-    if constexpr (Tr::kDqAdd == Tr::DqAdd::kTurnDeferred) {
-        if (steps > 0) add_dq(steps - 1, held_share);
-    }
-    if constexpr (Tr::kBulk) {
-        // The last reduction complete (its buffer is read before the CTA's shared memory goes),
-        // and in turn, that turn handed on.
-        if (cb == wg && wt == 0 && steps > 0) {
-            bulk_wait<0>();
-            if constexpr (Tr::kDqAdd == Tr::DqAdd::kBulk) {
-                fence_async_global();
-                add_release(order_of(steps - 1), 1);
-            }
         }
     }
 
