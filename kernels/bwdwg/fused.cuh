@@ -195,12 +195,12 @@ __global__ void __launch_bounds__(FusedTraits<DP>::kThreads, 1) gqa_bwd_fused_ke
     auto piece_of = [&](int step) {
         return p.dq_accum + ((b * p.Hq + step_head(step)) * n_q + step_tile(step)) * int64_t(64 * DP) + Tr::kPieceFloats * cb;
     };
-    // kTurn: adds step `step`'s share (share(n): the thread's float4 n) to the sum once the key
-    // tiles before this one have (L2 reads and writes, so no stale L1 line of another CTA's sum is
-    // read). Every read first, then every write: one L2 round trip, not one a cell. The last
+    // kTurn: adds step `step`'s share (the thread's dq, float4 n at 128 n + wt) to the sum once
+    // the key tiles before this one have (L2 reads and writes, so no stale L1 line of another CTA's
+    // sum is read). Every read first, then every write: one L2 round trip, not one a cell. The last
     // barrier orders every thread's writes before thread 0's release (cumulative at gpu scope),
     // which the next key tile's acquire reads.
-    auto add_dq = [&](int step, auto share) {
+    auto add_dq = [&](int step, const float (&dq)[8][4]) {
         int* order = order_of(step);
         if (threadIdx.x == 0)
             while (load_acquire(order) < Tr::kAdders * kt) {
@@ -213,8 +213,8 @@ __global__ void __launch_bounds__(FusedTraits<DP>::kThreads, 1) gqa_bwd_fused_ke
             for (int n = 0; n < 8; ++n) sum[n] = __ldcg(piece + 128 * n);
 #pragma unroll
             for (int n = 0; n < 8; ++n) {
-                const float4 x = share(n);
-                __stcg(piece + 128 * n, make_float4(sum[n].x + x.x, sum[n].y + x.y, sum[n].z + x.z, sum[n].w + x.w));
+                __stcg(piece + 128 * n,
+                       make_float4(sum[n].x + dq[n][0], sum[n].y + dq[n][1], sum[n].z + dq[n][2], sum[n].w + dq[n][3]));
             }
         }
         __syncthreads();
@@ -327,7 +327,7 @@ __global__ void __launch_bounds__(FusedTraits<DP>::kThreads, 1) gqa_bwd_fused_ke
         } else if constexpr (Tr::kWriter) {
             if (cb == wg) hand_dq(i, dq);
         } else {
-            add_dq(i, [&](int n) { return make_float4(dq[n][0], dq[n][1], dq[n][2], dq[n][3]); });
+            add_dq(i, dq);
         }
     }
 
