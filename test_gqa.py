@@ -947,7 +947,8 @@ def test_gpu_wgmma_kv_heads_broadcast_by_expand(dtype, D):
                                                      (torch.bfloat16, 256, 2, False)])
 def test_gpu_wgmma_many_tiles_per_cta(dtype, D, group, packed):
     """More CTA tiles than the GPU has SMs, so each CTA of the warp-specialised kernel walks several
-    (its ring of stages and its turns running on across them), with groups that divide the tile's
+    (its ring of stages running on across them, and its consumers' turns where
+    kTurnsUpToRounds allows that many rounds), with groups that divide the tile's
     packed rows (Q loaded ahead through a tensor map) and groups that do not (Q copied by the
     consumers), q, k and v as views of one packed tensor or not: every element within check_half's
     bound of the float64 reference, none left unwritten."""
@@ -995,6 +996,42 @@ def test_gpu_wgmma_tiles_in_l2_sections(dtype, B, T, Hkv, group, D):
     name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     assert gqa_module.plan(q, k, v) == "wgmma/%s/d%d" % (name, D)
     check_half(call_poisoned(q, k, v), q, k, v, "L2 sections of %d pairs of %d" % (section, pairs))
+
+
+def ws_turns_up_to_rounds():
+    """WsTraits::kTurnsUpToRounds, read from the kernel's source."""
+    with open(os.path.join(HERE, "kernels", "ws", "kernel.cuh")) as fh:
+        found = re.findall(r"kTurnsUpToRounds = (\d+);", fh.read())
+    assert len(found) == 1, "kTurnsUpToRounds not found once in kernels/ws/kernel.cuh"
+    return int(found[0])
+
+
+def test_ws_turns_up_to_rounds_is_read_from_the_kernel():
+    assert ws_turns_up_to_rounds() >= 1
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype, B, T, Hkv, D, turns", [(torch.bfloat16, 1, 1000, 2, 128, True),
+                                                       (torch.float16, 1, 777, 1, 64, True),
+                                                       (torch.float16, 1, 700, 1, 256, True),
+                                                       (torch.bfloat16, 3, 2100, 8, 128, False),
+                                                       (torch.float16, 2, 3000, 8, 64, False),
+                                                       (torch.bfloat16, 2, 2049, 8, 256, False)])
+def test_gpu_wgmma_with_and_without_turns(dtype, B, T, Hkv, D, turns):
+    """The warp-specialised kernel is compiled with and without turns between its consumer
+    warpgroups, and launch_ws takes the one with turns only while every CTA walks at most
+    WsTraits::kTurnsUpToRounds tiles (a grid of min(tiles, SMs) CTAs of 128 packed rows each):
+    shapes on each side of that rule at every width, every element within check_half's bound of
+    the float64 reference, none left unwritten."""
+    group = 4
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tiles = B * Hkv * -(-T * group // 128)
+    assert (tiles <= ws_turns_up_to_rounds() * min(tiles, sms)) == turns, (tiles, sms)
+    q, k, v = make_qkv(B, T, Hkv * group, Hkv, D, device="cuda", dtype=dtype)
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    assert gqa_module.plan(q, k, v) == "wgmma/%s/d%d" % (name, D)
+    check_half(call_poisoned(q, k, v), q, k, v, "%d tiles on %d SMs" % (tiles, sms))
+
 
 ACCURACY_SHAPES = [(2, 1024, 32, 8, 128), (1, 2048, 16, 4, 64), (2, 1536, 12, 4, 96)]
 

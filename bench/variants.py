@@ -23,20 +23,28 @@ import tempfile
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WS = "kernels/ws/kernel.cuh"
 FUSED = ("kernels/gqa_params.h", "kGqaFusedBackward = false;", "kGqaFusedBackward = true;")
+DQ_ADD = ("kernels/bwdwg/fused.cuh", "kDqAdd = DqAdd::kTurn;")   # the fused kernel's dQ add (FusedTraits)
 
 # name -> [(file, old text, new text)]; "base" is the checkout as it is. Timed in this order.
 VARIANTS = {
     "base": [],
     "fused_backward": [FUSED],
-    "defer_dq_add": [FUSED, ("kernels/bwdwg/fused.cuh", "kDeferDq = false;", "kDeferDq = true;")],
+    "atomic_dq_add": [FUSED, (DQ_ADD[0], DQ_ADD[1], "kDqAdd = DqAdd::kRed;")],
+    "writer_dq_add": [FUSED, (DQ_ADD[0], DQ_ADD[1], "kDqAdd = DqAdd::kWriter;")],
     "rowwise_backward_at_256": [("kernels/attention.cu", "kWgAt256 = true;", "kWgAt256 = false;")],
     "not_persistent": [(WS, "kPersistent = true;", "kPersistent = false;")],
     "round_robin_walk": [(WS, "((k & 1) ? G - 1 - c : c)", "c")],
     "three_consumers_at_64": [(WS, "kConsumers = 2;", "kConsumers = DP == 64 ? 3 : 2;")],
     "overlap_at_256": [(WS, "kOverlap = DP <= 128;", "kOverlap = true;")],
     "two_stages_at_128": [(WS, "kStages = DP == 64 ? 4 : DP == 128 ? 3 : 2;", "kStages = DP == 64 ? 4 : 2;")],
-    "no_turns": [(WS, "kPingPong = true;", "kPingPong = false;")],
+    "no_turns": [(WS, "kTurnsUpToRounds = 1;", "kTurnsUpToRounds = 0;")],
+    "producer_sleeps": [(WS, "kProducerSleepNs = 0, kScanSleepNs = 0;", "kProducerSleepNs = 1000, kScanSleepNs = 0;")],
+    "producer_and_scan_sleep": [(WS, "kProducerSleepNs = 0, kScanSleepNs = 0;", "kProducerSleepNs = 1000, kScanSleepNs = 1000;")],
+    "fma_exp_quarter_at_64": [(WS, "kFmaExpTiles = 0;", "kFmaExpTiles = DP == 64 ? 4 : 0;")],
+    "fma_exp_eighth_at_64": [(WS, "kFmaExpTiles = 0;", "kFmaExpTiles = DP == 64 ? 2 : 0;")],
+    "turns_always": [(WS, "kTurnsUpToRounds = 1;", "kTurnsUpToRounds = 1 << 30;")],
     "bwd_early_issue": [("kernels/bwdmma/kernels.cuh", "kBwdEarlyIssue = false;", "kBwdEarlyIssue = true;")],
+    "bwd_stats_from_shared": [("kernels/bwdmma/kernels.cuh", "kBwdStatsInRegs = true;", "kBwdStatsInRegs = false;")],
     "no_l2_sections": [(WS, "kL2SectionBytes = int64_t(24) << 20;", "kL2SectionBytes = 0;")],
     "l2_sections_12mb": [(WS, "kL2SectionBytes = int64_t(24) << 20;", "kL2SectionBytes = int64_t(12) << 20;")],
     "l2_sections_40mb": [(WS, "kL2SectionBytes = int64_t(24) << 20;", "kL2SectionBytes = int64_t(40) << 20;")],

@@ -172,11 +172,11 @@ const char* gqa_backward_plan(const GqaBwdParams& p) {
 }
 
 // The wgmma unit's fused kernel (kGqaFusedBackward, widths 64 and 128) sums dQ over its key tiles
-// in fp32 (a row per query row and head, D wide) and orders those sums with a counter per (batch,
-// head, 64-row query tile). The two kernels need none.
+// in fp32 (blocks of 64 query rows per batch and head) and orders those sums with a counter per
+// block. The two kernels need none.
 int64_t gqa_backward_workspace_floats(const GqaBwdParams& p) {
     if (!kGqaFusedBackward || backward_kind(p) != kBwdWg || p.D == 256) return 0;
-    return int64_t(p.B) * p.T * p.Hq * p.D + int64_t(p.B) * p.Hq * ((p.T + 63) / 64);
+    return gqa_fused_dq_floats(p);
 }
 
 int gqa_backward(const GqaBwdParams& params, void* stream) {

@@ -281,14 +281,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward_cuda(
     const int64_t rows = q.size(0) * q.size(1) * q.size(2);
     GqaBwdParams p = backward_params_of(q, k);
     const int64_t extra = gqa_backward_workspace_floats(p);
-    // lse2, delta, the flag, then (8-byte aligned: 2 rows + 4 floats in) the unit's scratch.
-    at::Tensor scratch = at::empty({2 * rows + 4 + extra}, q.options().dtype(c10::ScalarType::Float));
+    // lse2, delta, the flag, then (16-byte aligned: 2 rows + 4 floats in, rounded up to 4) the
+    // unit's scratch, its counters last.
+    const int64_t head = (2 * rows + 4 + 3) / 4 * 4;
+    at::Tensor scratch = at::empty({head + extra}, q.options().dtype(c10::ScalarType::Float));
     p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr(), p.o = out.data_ptr(), p.dout = grad.data_ptr();
     p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
     p.lse2 = scratch.data_ptr<float>(), p.delta = p.lse2 + rows;
     p.nonfinite = reinterpret_cast<int*>(p.delta + rows);
-    p.dq_accum = extra > 0 ? p.lse2 + 2 * rows + 4 : nullptr;
-    p.dq_order = extra > 0 ? reinterpret_cast<int*>(p.dq_accum + rows * p.D) : nullptr;
+    p.dq_accum = extra > 0 ? p.lse2 + head : nullptr;
+    p.dq_order = extra > 0 ? reinterpret_cast<int*>(p.dq_accum + extra) - int64_t(p.B) * p.Hq * ((p.T + 63) / 64) : nullptr;
     const at::Tensor lse2 = lse2_in.numel() > 0 ? lse2_in.contiguous() : lse2_in;
     p.lse2_in = lse2.numel() > 0 ? lse2.data_ptr<float>() : nullptr;
     const int err = gqa_backward(p, c10::cuda::getCurrentCUDAStream().stream());

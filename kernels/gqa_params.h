@@ -61,9 +61,9 @@ struct GqaBwdParams {
     // instead: a tile product multiplies masked zeros by the values of keys and queries the row
     // does not attend, and 0 * Inf is NaN.
     int* nonfinite;
-    // Scratch of the wgmma unit (gqa_backward_workspace_floats; null elsewhere): dQ summed in fp32
-    // over the key tiles, in key-tile order, and per (batch, head, 64-row query tile) how many key
-    // tiles have added to it.
+    // Scratch of the wgmma unit's fused kernel (gqa_fused_dq_floats; null elsewhere, 16-byte
+    // aligned): dQ summed in fp32 over the key tiles in blocks of 64 query rows (bwdwg/fused.cuh),
+    // and per block how many shares have been added to it.
     float* dq_accum;
     int* dq_order;
     // Null, or the forward's lse2 (GqaParams::lse2): rows holding a number need no first pass.
@@ -128,6 +128,12 @@ int gqa_backward(const GqaBwdParams& params, void* stream);   // dq, dk and dv; 
 const char* gqa_backward_plan(const GqaBwdParams& params);
 // Floats of scratch the backward needs beyond lse2, delta and the flag (0: none).
 int64_t gqa_backward_workspace_floats(const GqaBwdParams& params);
+// The fused kernel's part of it: dQ summed in fp32 in blocks of 64 query rows x D per (batch,
+// head, query tile), then a counter per block.
+inline int64_t gqa_fused_dq_floats(const GqaBwdParams& p) {
+    const int64_t blocks = int64_t(p.B) * p.Hq * ((p.T + 63) / 64);
+    return blocks * 64 * p.D + blocks;
+}
 // Reads q, k and v once and writes o = q: the memory floor of a call, for benchmarks.
 int gqa_read_floor(const GqaParams& params, void* stream);
 

@@ -29,6 +29,11 @@ constexpr int kTile = 64;                  // rows of a tile, and columns of a s
 // are issued behind it before the loads of the step after it (which reuse its stage) start:
 // the tensor core need not idle over the step's barrier and copies (bench/NOTES.md v51).
 constexpr bool kBwdEarlyIssue = false;
+// The dK/dV kernel reads its step's lse2 and delta (one per query column, in shared memory) into
+// registers before each product's wait, 16 a thread, instead of once per element after it: ncu
+// put 25% of its warp samples on short-scoreboard waits, most at the exponentials' first use of a
+// value just read (bench/NOTES.md v56).
+constexpr bool kBwdStatsInRegs = true;
 constexpr int kWarps = kTile / 16;         // one 16-row m-tile per warp
 constexpr int kThreads = 32 * kWarps;
 
@@ -44,6 +49,14 @@ template <class Pol> struct BwdSmem {
 // (lane / 4) + 8 (e / 2) and column 8 n + 2 (lane % 4) + e % 2.
 __device__ __forceinline__ int frag_row(int lane, int e) { return (lane >> 2) + 8 * (e >> 1); }
 __device__ __forceinline__ int frag_col(int lane, int n, int e) { return 8 * n + 2 * (lane & 3) + (e & 1); }
+// This thread's query columns c = frag_col(lane, n, e) of a step's per-row statistic (lse2 or
+// delta, in shared memory) into registers: column[n][e & 1] (kBwdStatsInRegs).
+__device__ __forceinline__ void read_columns(float (&column)[kTile / 8][2], const float* stat, int lane) {
+#pragma unroll
+    for (int n = 0; n < kTile / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) column[n][e] = stat[frag_col(lane, n, e)];
+}
 
 // A CTA's batch, head and tile index in a grid of tiles x B x `heads`, heads fastest.
 struct BwdCta {
@@ -306,27 +319,28 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdPara
         // Masks only where a query can precede a key (the diagonal tile) or a row or key is past T.
         const bool edge = q0 == k0 || q0 + kTile > p.T;
         const int j_base = k0 + 16 * warp;
+        float column[kTile / 8][2] = {};
+        auto stat_of = [&](const float* stat, int n, int e) { return kBwdStatsInRegs ? column[n][e & 1] : stat[frag_col(lane, n, e)]; };
+        if (kBwdStatsInRegs) read_columns(column, lse2_t, lane);
         Pol::template wait<1>();   // S^T; dP^T still running
         Pol::settle(s);
 #pragma unroll
         for (int n = 0; n < kTile / 8; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int j = j_base + frag_row(lane, e), c = frag_col(lane, n, e), t = q0 + c;
+                const int j = j_base + frag_row(lane, e), t = q0 + frag_col(lane, n, e);
                 const bool masked = edge && (t < j || t >= p.T || j >= p.T);
-                s[0][n][e] = masked ? 0.f : fast_exp2(s[0][n][e] * p.scale_log2 - lse2_t[c]);   // P^T
+                s[0][n][e] = masked ? 0.f : fast_exp2(s[0][n][e] * p.scale_log2 - stat_of(lse2_t, n, e));   // P^T
             }
         uint32_t pa[kTile / 16][4], pa2[kTile / 16][4];
         Pol::pv_issue(dv, pa, s, Pol::columns(do_tile(st), col0), lane);   // dV += P^T dO
+        if (kBwdStatsInRegs) read_columns(column, delta_t, lane);
         Pol::template wait<1>();   // dP^T; dV still running
         Pol::settle(dp);
 #pragma unroll
         for (int n = 0; n < kTile / 8; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int c = frag_col(lane, n, e);
-                dp[0][n][e] = s[0][n][e] * (dp[0][n][e] - delta_t[c]);   // dS^T
-            }
+            for (int e = 0; e < 4; ++e) dp[0][n][e] = s[0][n][e] * (dp[0][n][e] - stat_of(delta_t, n, e));   // dS^T
         Pol::pv_issue(dk, pa2, dp, Pol::columns(q_tile(st), col0), lane);   // dK += dS^T Q
         if (!kBwdEarlyIssue) {
             Pol::template wait<0>();

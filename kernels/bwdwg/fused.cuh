@@ -6,11 +6,14 @@
 //     warpgroup its keys), then dS^T to shared memory and dQ's share of these keys = dS K (each
 //     warpgroup 64 of dQ's columns; at width 64 the first warpgroup alone).
 //     The share is added to an fp32 sum in global memory in key-tile order: a counter per (batch,
-//     head, query tile) says how many key tiles have added, and a CTA waits for its turn (its key
+//     head, query tile) says how many shares have been added, and a CTA waits for its turn (its key
 //     tile's index). CTAs start in key-tile order, so the one waited for has started; every CTA
-//     takes the query tiles in the same order, so the waits are short once under way.
-//  3. dQ = the sum times 1 / sqrt(D), in the input dtype.
-// Deterministic: every sum runs in a fixed order.
+//     takes the query tiles in the same order, so the waits are short once under way. The sum is
+//     kept in blocks of a query tile (64 rows x DP), each warpgroup's 64 columns a 16 KB piece in
+//     the order of its threads' accumulators (float4 n of thread w at n * 128 + w), so that a
+//     share is one contiguous piece (FusedTraits::kDqAdd says how it is added).
+//  3. dQ = the sum times 1 / sqrt(D), in the input dtype, rows back in [B, T, Hq, D] order.
+// Deterministic in every kDqAdd but kRed: every sum runs in a fixed order.
 #ifndef GQA_BWDWG_FUSED_CUH
 #define GQA_BWDWG_FUSED_CUH
 
@@ -21,16 +24,32 @@ namespace {
 template <int DP> struct FusedTraits {
     static constexpr int kKeys = 128;       // keys per CTA, 64 per warpgroup
     static constexpr int kRows = 64;        // query rows a step
-    static constexpr int kThreads = 256;
     static constexpr int kKvHalves = kKeys * DP, kRowHalves = kRows * DP, kDsHalves = kKeys * kRows;
-    // A step's dQ share is added to the sum at the next step, under that step's first two products
-    // (held in shared memory meanwhile), instead of at the end of its own.
-    static constexpr bool kDeferDq = false;
-    // K, V, two stages of (Q, dO), dS^T, two stages of (lse2, delta), the held dQ share (fp32, a
-    // thread's 16 float2 strided by the 256 threads); 1024 of alignment slack.
-    static constexpr int kHeldBytes = 16 * kThreads * 8;   // 16 float2 a thread at every width
+    // How a warpgroup's dQ share of a step reaches the sum:
+    //   kTurn: at the end of the step the CTA waits for its turn, then reads, adds and writes its
+    //     pieces through L2 and hands the turn on;
+    //   kRed: float4 adds from registers (RED), no turn: not deterministic, an instrument;
+    //   kWriter: the share to shared memory (two buffers a warpgroup), handed by a named barrier to
+    //     a writer warp (the first of a third warpgroup, which gives its registers to the two
+    //     others): it waits for the turn, issues a bulk reduction of the piece
+    //     (cp.reduce.async.bulk, no registers held), awaits its completion, hands the turn on and
+    //     frees the buffer, so the products wait only when it is two steps behind.
+    // (The turn one step later, and the bulk reduction issued by the products' own warpgroups, in
+    // turn or not, measured slower: bench/NOTES.md v53, v54.)
+    enum class DqAdd { kTurn, kRed, kWriter };
+    static constexpr DqAdd kDqAdd = DqAdd::kTurn;
+    static constexpr bool kWriter = kDqAdd == DqAdd::kWriter;
+    static constexpr int kMmaThreads = 256;                          // the two warpgroups of products
+    static constexpr int kThreads = kMmaThreads + (kWriter ? 128 : 0);
+    static constexpr int kMmaRegs = 240, kWriterRegs = 24;           // kWriter: setmaxnreg
+    static_assert(kMmaRegs * kMmaThreads + kWriterRegs * 128 <= 65536, "the register file holds every warpgroup");
+    static constexpr int kAdders = DP == 128 ? 2 : 1;   // warpgroups with dQ columns (64 each)
+    static constexpr int kPieceFloats = 64 * 64;        // one warpgroup's share of a block
+    // K, V, two stages of (Q, dO), dS^T, two stages of (lse2, delta), then kWriter's buffers; 1024
+    // of alignment slack.
+    static constexpr int kBufferBytes = kAdders * 2 * kPieceFloats * 4;
     static constexpr int kSmem = 1024 + 2 * (2 * kKvHalves + 4 * kRowHalves + kDsHalves) + 2 * 2 * kRows * 4 +
-                                 (kDeferDq ? kHeldBytes : 0);
+                                 (kWriter ? kBufferBytes : 0);
     static_assert(kSmem <= 227 * 1024, "one CTA's shared memory");
 };
 
@@ -39,9 +58,27 @@ __device__ __forceinline__ int load_acquire(const int* p) {
     asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
-__device__ __forceinline__ void store_release(int* p, int v) {
-    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+__device__ __forceinline__ void add_release(int* p, int v) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
+// Orders this thread's generic-proxy accesses to global memory with its bulk (async-proxy) ones.
+__device__ __forceinline__ void fence_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
+// Adds `bytes` of fp32 at src (shared) into dst (global), element by element, in L2.
+__device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, uint32_t bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+                 "r"(static_cast<uint32_t>(__cvta_generic_to_shared(src))), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Until at most N of this thread's bulk groups are still running (N = 0: all complete, writes done).
+template <int N> __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory"); }
+// Named barrier `id` of `count` threads: waiting, or arriving only.
+__device__ __forceinline__ void named_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
+__device__ __forceinline__ void named_arrive(int id, int count) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
+// kWriter's barriers (1 is the two warpgroups' own): warpgroup c's buffer j full, and free again.
+__device__ __forceinline__ int dq_full_id(int c, int j) { return 2 + 2 * c + j; }
+__device__ __forceinline__ int dq_empty_id(int c, int j) { return 6 + 2 * c + j; }
+constexpr int kHandOver = 128 + 32;   // a warpgroup and the writer warp
 
 // Rows [row0, row0 + ROWS) of one head of a contiguous [B, T, H, DP] tensor into a swizzled tile
 // of ROWS rows (sw128_offset), by THREADS threads, 16 bytes a copy; rows at or past T are zeros. A
@@ -64,7 +101,7 @@ __device__ __forceinline__ void swizzled_load(uint16_t* tile, const uint16_t* ba
 }
 
 template <bool kBf16, int DP>
-__global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParams p) {
+__global__ void __launch_bounds__(FusedTraits<DP>::kThreads, 1) gqa_bwd_fused_kernel(const GqaBwdParams p) {
     using Tr = FusedTraits<DP>;
     if (*p.nonfinite) return;   // the row-wise kernels take this call
     extern __shared__ __align__(16) unsigned char fused_smem[];
@@ -78,7 +115,7 @@ __global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParam
     uint16_t* sdS = sQ(2);   // dS^T: [128 keys][64 query rows], swizzled
     auto lse2_s = [&](int st) { return reinterpret_cast<float*>(sdS + Tr::kDsHalves) + st * 2 * Tr::kRows; };
     auto delta_s = [&](int st) { return lse2_s(st) + Tr::kRows; };
-    float2* held = reinterpret_cast<float2*>(delta_s(1) + Tr::kRows);   // [16][256] (kDeferDq)
+    float* held = delta_s(1) + Tr::kRows;   // kWriter: [kAdders][2][4096]
 
     // Key tile kt of (b, kv head), key tiles ascending with blockIdx.
     const int64_t bh_count = int64_t(p.B) * p.Hkv;
@@ -89,6 +126,48 @@ __global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParam
     const int steps = (n_q - 2 * kt) * G;   // query tiles 2 kt .. n_q - 1 see a key of this CTA
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4, cw = warp % 4;
     const int gid = lane >> 2, tig = lane & 3;
+    if constexpr (Tr::kWriter) {
+        if (wg == 2) {   // the writer warpgroup: its first warp adds the shares, the others leave
+            regs_dec<Tr::kWriterRegs>();
+            if (warp != 8) return;
+            for (int i = 0; i < steps; ++i) {
+                const int qi = n_q - 1 - i / G, h = kvh * G + i % G, j = i & 1;
+                int* order = p.dq_order + (b * p.Hq + h) * n_q + qi;
+                float* block = p.dq_accum + ((b * p.Hq + h) * n_q + qi) * int64_t(64 * DP);
+                if (lane == 0) {
+                    while (load_acquire(order) < Tr::kAdders * kt) {
+                    }
+                    fence_async_global();
+                }
+                __syncwarp();
+                for (int c = 0; c < Tr::kAdders; ++c) {
+                    named_sync(dq_full_id(c, j), kHandOver);
+                    if (lane == 0) {
+                        bulk_reduce_add(block + c * Tr::kPieceFloats, held + (2 * c + j) * Tr::kPieceFloats, Tr::kPieceFloats * 4);
+                        bulk_commit();
+                    }
+                }
+                if (lane == 0) {
+                    bulk_wait<0>();
+                    fence_async_global();
+                    add_release(order, Tr::kAdders);
+                }
+                __syncwarp();
+                if (i + 2 < steps)   // (the warpgroups wait on buffer j again at step i + 2)
+                    for (int c = 0; c < Tr::kAdders; ++c) named_arrive(dq_empty_id(c, j), kHandOver);
+            }
+            return;
+        }
+        regs_inc<Tr::kMmaRegs>();
+    }
+    // The two warpgroups' barrier: __syncthreads, or with a writer warpgroup named barrier 1.
+    auto mma_sync = [&]() {
+        if constexpr (Tr::kWriter) {
+            named_sync(1, Tr::kMmaThreads);
+        } else {
+            __syncthreads();
+        }
+    };
     const int kw0 = k0 + 64 * wg;           // this warpgroup's first key
     const int cb = DP == 128 ? wg : 0;      // the 64 columns of dQ this warpgroup computes and adds
     const bool bf16 = kBf16;
@@ -103,54 +182,61 @@ __global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParam
         const int q0 = step_tile(i) * Tr::kRows, h = step_head(i);
         swizzled_load<DP, 64, 256>(sQ(st), static_cast<const uint16_t*>(p.q), b, q0, h, p.Hq, T);
         swizzled_load<DP, 64, 256>(sdO(st), static_cast<const uint16_t*>(p.dout), b, q0, h, p.Hq, T);
-        for (int r = threadIdx.x; r < Tr::kRows; r += Tr::kThreads) {
+        for (int r = threadIdx.x; r < Tr::kRows; r += Tr::kMmaThreads) {
             const int t = q0 + r;
             const int64_t row = (b * T + (t < T ? t : 0)) * p.Hq + h;
             cp_async4(lse2_s(st) + r, p.lse2 + row, t < T ? 4 : 0);
             cp_async4(delta_s(st) + r, p.delta + row, t < T ? 4 : 0);
         }
     };
-    // Adds step `step`'s dQ share (share(half, n): the thread's float2 n of row half) to the fp32 sum
-    // once the key tiles before this one have (L2 reads and writes, so no stale L1 line of another
-    // CTA's sum is read). Every read first, then every write: one L2 round trip, not one a cell
-    // (the intrinsics are ordered asm, so a read placed after a write waits for it). The last
+    // This warpgroup's piece of the sum for step `step`: 64 query rows x its 64 columns.
+    const int wt = threadIdx.x % 128;
+    auto order_of = [&](int step) { return p.dq_order + (b * p.Hq + step_head(step)) * n_q + step_tile(step); };
+    auto piece_of = [&](int step) {
+        return p.dq_accum + ((b * p.Hq + step_head(step)) * n_q + step_tile(step)) * int64_t(64 * DP) + Tr::kPieceFloats * cb;
+    };
+    // kTurn: adds step `step`'s share (the thread's dq, float4 n at 128 n + wt) to the sum once
+    // the key tiles before this one have (L2 reads and writes, so no stale L1 line of another CTA's
+    // sum is read). Every read first, then every write: one L2 round trip, not one a cell. The last
     // barrier orders every thread's writes before thread 0's release (cumulative at gpu scope),
     // which the next key tile's acquire reads.
-    auto add_dq = [&](int step, auto share) {
-        const int qi = step_tile(step), h = step_head(step), q0 = qi * Tr::kRows;
-        int* order = p.dq_order + (b * p.Hq + h) * n_q + qi;
+    auto add_dq = [&](int step, const float (&dq)[8][4]) {
+        int* order = order_of(step);
         if (threadIdx.x == 0)
-            while (load_acquire(order) < kt) {
+            while (load_acquire(order) < Tr::kAdders * kt) {
             }
         __syncthreads();
         if (cb == wg) {
-            float2 sum[2][8];
+            float4* piece = reinterpret_cast<float4*>(piece_of(step)) + wt;
+            float4 sum[8];
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int t = q0 + 16 * cw + frag_row(lane, 2 * half);
-                if (t >= T) continue;   // (a row past T is neither read nor written)
-                const float* row = p.dq_accum + ((b * T + t) * p.Hq + h) * DP + 64 * cb;
+            for (int n = 0; n < 8; ++n) sum[n] = __ldcg(piece + 128 * n);
 #pragma unroll
-                for (int n = 0; n < 8; ++n)
-                    sum[half][n] = __ldcg(reinterpret_cast<const float2*>(row + frag_col(lane, n, 2 * half)));
-            }
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int t = q0 + 16 * cw + frag_row(lane, 2 * half);
-                if (t >= T) continue;
-                float* row = p.dq_accum + ((b * T + t) * p.Hq + h) * DP + 64 * cb;
-#pragma unroll
-                for (int n = 0; n < 8; ++n) {
-                    const float2 x = share(half, n);
-                    __stcg(reinterpret_cast<float2*>(row + frag_col(lane, n, 2 * half)),
-                           make_float2(sum[half][n].x + x.x, sum[half][n].y + x.y));
-                }
+            for (int n = 0; n < 8; ++n) {
+                __stcg(piece + 128 * n,
+                       make_float4(sum[n].x + dq[n][0], sum[n].y + dq[n][1], sum[n].z + dq[n][2], sum[n].w + dq[n][3]));
             }
         }
         __syncthreads();
-        if (threadIdx.x == 0) store_release(order, kt + 1);
+        if (threadIdx.x == 0) add_release(order, Tr::kAdders);
     };
-    auto held_share = [&](int half, int n) { return held[(8 * half + n) * Tr::kThreads + threadIdx.x]; };
+    // kRed: this warpgroup's share added in place, in no fixed order.
+    auto red_dq = [&](int step, const float (&dq)[8][4]) {
+        float4* piece = reinterpret_cast<float4*>(piece_of(step)) + wt;
+#pragma unroll
+        for (int n = 0; n < 8; ++n) atomicAdd(piece + 128 * n, make_float4(dq[n][0], dq[n][1], dq[n][2], dq[n][3]));
+    };
+    // kWriter: the share into buffer step % 2 of this warpgroup, once the writer has freed it.
+    auto hand_dq = [&](int step, const float (&dq)[8][4]) {
+        const int j = step & 1;
+        float* buffer = held + (cb * 2 + j) * Tr::kPieceFloats;
+        if (step >= 2) named_sync(dq_empty_id(cb, j), kHandOver);
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+            reinterpret_cast<float4*>(buffer)[128 * n + wt] = make_float4(dq[n][0], dq[n][1], dq[n][2], dq[n][3]);
+        fence_async_proxy();
+        named_arrive(dq_full_id(cb, j), kHandOver);
+    };
 
     load_step(0, 0);
     cp_async_commit();
@@ -162,7 +248,7 @@ __global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParam
         cp_async_commit();    // (empty on the last step)
         cp_async_wait<1>();   // everything but the step just issued has landed
         fence_async_proxy();
-        __syncthreads();
+        mma_sync();
         const float* lse2_t = lse2_s(st);
         const float* delta_t = delta_s(st);
         float s[8][4], dp[8][4];
@@ -170,33 +256,35 @@ __global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParam
         wg_commit();
         qk_wgmma<kBf16, DP, 128, 64>(dp, sV, 64 * wg, sdO(st));  // dP^T
         wg_commit();
-        if constexpr (Tr::kDeferDq) {
-            if (i > 0) add_dq(i - 1, held_share);
-        }
         // Masks only where a query can precede one of these keys or a row or key is past T.
         const bool edge = q0 < kw0 + 64 || q0 + Tr::kRows > T || kw0 + 64 > T;
         const int j_base = kw0 + 16 * cw;
+        // This thread's query columns' lse2 and delta, read before the waits (kBwdStatsInRegs).
+        float column[kTile / 8][2] = {};
+        auto stat_of = [&](const float* stat, int n, int e) { return kBwdStatsInRegs ? column[n][e & 1] : stat[frag_col(lane, n, e)]; };
+        if (kBwdStatsInRegs) read_columns(column, lse2_t, lane);
         wg_wait<1>();
         fence_regs(reinterpret_cast<float(&)[32]>(s));
 #pragma unroll
         for (int n = 0; n < 8; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int j = j_base + frag_row(lane, e), c = frag_col(lane, n, e), t = q0 + c;
+                const int j = j_base + frag_row(lane, e), t = q0 + frag_col(lane, n, e);
                 const bool masked = edge && (t < j || t >= T || j >= T);
-                const float p_t = fast_exp2(s[n][e] * p.scale_log2 - lse2_t[c]);   // c < 64: always in the tile
+                const float p_t = fast_exp2(s[n][e] * p.scale_log2 - stat_of(lse2_t, n, e));   // columns < 64: in the tile
                 s[n][e] = masked ? 0.f : p_t;   // P^T
             }
         uint32_t pa[4][4], pa2[4][4];
         pack_p<kBf16>(pa, s);
         pv_wgmma<kBf16, DP, 64>(dv, pa, sdO(st));   // dV += P^T dO
         wg_commit();
+        if (kBwdStatsInRegs) read_columns(column, delta_t, lane);
         wg_wait<1>();
         fence_regs(reinterpret_cast<float(&)[32]>(dp));
 #pragma unroll
         for (int n = 0; n < 8; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - delta_t[frag_col(lane, n, e)]);   // dS^T
+            for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - stat_of(delta_t, n, e));   // dS^T
         pack_p<kBf16>(pa2, dp);
         pv_wgmma<kBf16, DP, 64>(dk, pa2, sQ(st));   // dK += dS^T Q
         wg_commit();
@@ -218,7 +306,7 @@ __global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParam
         wg_wait<0>();
         fence_regs(reinterpret_cast<float(&)[DP / 2]>(dv));
         fence_regs(reinterpret_cast<float(&)[DP / 2]>(dk));
-        __syncthreads();   // both warpgroups' dS^T
+        mma_sync();   // both warpgroups' dS^T
         // dQ's share: 64 query rows x columns 64 cb .. + 63, summed over the 128 keys. A = dS, the
         // stored dS^T read M-major; B = K read N-major (as V in P V).
         float dq[8][4];
@@ -234,21 +322,13 @@ __global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParam
             wg_wait<0>();
             fence_regs(reinterpret_cast<float(&)[32]>(dq));
         }
-        if constexpr (Tr::kDeferDq) {
-            if (cb == wg) {
-#pragma unroll
-                for (int half = 0; half < 2; ++half)
-#pragma unroll
-                    for (int n = 0; n < 8; ++n)
-                        held[(8 * half + n) * Tr::kThreads + threadIdx.x] = make_float2(dq[n][2 * half], dq[n][2 * half + 1]);
-            }
-            __syncthreads();   // stage st and dS^T are free again
+        if constexpr (Tr::kDqAdd == Tr::DqAdd::kRed) {
+            if (cb == wg) red_dq(i, dq);
+        } else if constexpr (Tr::kWriter) {
+            if (cb == wg) hand_dq(i, dq);
         } else {
-            add_dq(i, [&](int half, int n) { return make_float2(dq[n][2 * half], dq[n][2 * half + 1]); });
+            add_dq(i, dq);
         }
-    }
-    if constexpr (Tr::kDeferDq) {
-        if (steps > 0) add_dq(steps - 1, held_share);
     }
 
 #pragma unroll
@@ -267,13 +347,24 @@ __global__ void __launch_bounds__(256, 1) gqa_bwd_fused_kernel(const GqaBwdParam
     }
 }
 
-// dQ = the fp32 sum times 1 / sqrt(D), in the input dtype (two columns a thread).
-template <bool kBf16>
-__global__ void gqa_bwd_dq_store_kernel(const GqaBwdParams p, int64_t pairs) {
+// dQ = the fp32 sum times 1 / sqrt(D), in the input dtype: a thread a float4 of the blocks (two
+// columns of two rows, 8 apart), read in order and written back to [B, T, Hq, DP]; rows past T
+// are left.
+template <bool kBf16, int DP>
+__global__ void gqa_bwd_dq_store_kernel(const GqaBwdParams p, int64_t quads) {
     if (*p.nonfinite) return;
-    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < pairs; i += int64_t(gridDim.x) * blockDim.x) {
-        const float2 x = reinterpret_cast<const float2*>(p.dq_accum)[i];
-        store_pair(static_cast<uint16_t*>(p.dq) + 2 * i, x.x * p.scale, x.y * p.scale, kBf16);
+    const int n_q = (p.T + 63) / 64;
+    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < quads; i += int64_t(gridDim.x) * blockDim.x) {
+        const float4 x = reinterpret_cast<const float4*>(p.dq_accum)[i];
+        const int64_t block = i / (16 * DP);
+        const int in_block = int(i % (16 * DP)), piece = in_block / 1024, n = in_block % 1024 / 128, w = in_block % 128;
+        const int lane = w % 32, row = 16 * (w / 32) + (lane >> 2), col = 64 * piece + 8 * n + 2 * (lane & 3);
+        const int qi = int(block % n_q), h = int(block / n_q % p.Hq);
+        const int64_t b = block / n_q / p.Hq;
+        const int t = qi * 64 + row;
+        uint16_t* dq = static_cast<uint16_t*>(p.dq) + ((b * p.T + t) * p.Hq + h) * DP + col;
+        if (t < p.T) store_pair(dq, x.x * p.scale, x.y * p.scale, kBf16);
+        if (t + 8 < p.T) store_pair(dq + 8 * int64_t(p.Hq) * DP, x.z * p.scale, x.w * p.scale, kBf16);
     }
 }
 
@@ -286,20 +377,19 @@ cudaError_t fused_launch(const GqaBwdParams& p, cudaStream_t stream, int dev) {
     using Tr = FusedTraits<DP>;
     if (p.dtype != (kBf16 ? kGqaBFloat16 : kGqaFloat16) || p.D != DP || p.dq_accum == nullptr) return cudaErrorInvalidValue;
     static bool raised_stats[kMaxDevices] = {}, raised_fused[kMaxDevices] = {};
-    const int64_t rows = int64_t(p.B) * p.T * p.Hq;
     const int64_t q_tiles = (p.T + kTile - 1) / kTile, key_tiles = (p.T + Tr::kKeys - 1) / Tr::kKeys;
     const int64_t stats_ctas = q_tiles * p.B * p.Hq, fused_ctas = key_tiles * p.B * p.Hkv;
     if (stats_ctas > 0x7fffffff || fused_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
     cudaError_t err = raise_smem_limit(gqa_bwd_dq_kernel<Pol, true>, BwdSmem<Pol>::kDq, dev, raised_stats);
     if (err == cudaSuccess) err = raise_smem_limit(gqa_bwd_fused_kernel<kBf16, DP>, Tr::kSmem, dev, raised_fused);
     if (err == cudaSuccess)
-        err = cudaMemsetAsync(p.dq_accum, 0, (rows * DP + int64_t(p.B) * p.Hq * ((p.T + 63) / 64)) * sizeof(float), stream);
+        err = cudaMemsetAsync(p.dq_accum, 0, gqa_fused_dq_floats(p) * sizeof(float), stream);
     if (err != cudaSuccess) return err;
     gqa_bwd_dq_kernel<Pol, true><<<unsigned(stats_ctas), kThreads, BwdSmem<Pol>::kDq, stream>>>(p);
     gqa_bwd_fused_kernel<kBf16, DP><<<unsigned(fused_ctas), Tr::kThreads, Tr::kSmem, stream>>>(p);
-    const int64_t pairs = rows * DP / 2;
-    const int64_t blocks = (pairs + 255) / 256 < 4096 ? (pairs + 255) / 256 : 4096;
-    gqa_bwd_dq_store_kernel<kBf16><<<unsigned(blocks), 256, 0, stream>>>(p, pairs);
+    const int64_t quads = int64_t(p.B) * p.Hq * ((p.T + 63) / 64) * 16 * DP;
+    const int64_t blocks = (quads + 255) / 256 < 4096 ? (quads + 255) / 256 : 4096;
+    gqa_bwd_dq_store_kernel<kBf16, DP><<<unsigned(blocks), 256, 0, stream>>>(p, quads);
     return cudaGetLastError();
 }
 

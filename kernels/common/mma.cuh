@@ -31,6 +31,25 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
+// 2^x on the FMA and integer pipes, no MUFU: x = n + f with n = round(x) (added to 1.5 * 2^23, whose
+// low mantissa bits then hold n), 2^f by a degree-4 polynomial (relative error 2.7e-6 on
+// [-0.5, 0.5], below half an fp16 ulp), n added to the exponent field. For x <= 0 (a score minus
+// its row's maximum); below -126 it gives 0 as fast_exp2 does (a masked key's -inf included: a
+// bf16 P of 2^-126 times a V near bf16's largest would not vanish), and NaN stays NaN.
+__device__ __forceinline__ float fma_exp2(float x) {
+    const float xc = x < -126.f ? -126.f : x;   // (false for NaN)
+    const float t = xc + 12582912.f;
+    const float f = xc - (t - 12582912.f);
+    float p = 0.009570036f;
+    p = fmaf(p, f, 0.05591771f);
+    p = fmaf(p, f, 0.24024744f);
+    p = fmaf(p, f, 0.69312185f);
+    p = fmaf(p, f, 0.99999928f);
+    // t's bits are 0x4b400000 + n, and 0x4b400000 << 23 is 0 in 32 bits: the shift leaves n << 23.
+    const float y = __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
+    return x >= -126.f ? y : x != x ? x : 0.f;
+}
+
 __device__ __forceinline__ uint32_t to_tf32(float x) {
     uint32_t r;
     asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));

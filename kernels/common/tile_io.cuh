@@ -117,7 +117,8 @@ __device__ __forceinline__ bool own_tile_sw_zero_nonfinite(Elem* dst, bool bf16)
 // by the quad of lanes that shares the row: the row max m (of the scaled log2 scores) and the
 // running sum l move on, S becomes P = exp2(S * scale_log2 - m + shift), and the factor that
 // brings O (and l) to the new max is returned. kShift: P carries 2^shift (x3's headroom).
-template <int kNTiles, bool kShift = false>
+// kFmaTiles: the last kFmaTiles n-tiles take fma_exp2 instead of MUFU's (x <= 0 only).
+template <int kNTiles, bool kShift = false, int kFmaTiles = 0>
 __device__ __forceinline__ float softmax_row(float (&st)[kNTiles][4], int h, float& m, float& l, float scale_log2,
                                              float shift = 0.f) {
     float mx = -INFINITY;
@@ -135,8 +136,13 @@ __device__ __forceinline__ float softmax_row(float (&st)[kNTiles][4], int h, flo
     m = m_new;
 #pragma unroll
     for (int j = 0; j < kNTiles; ++j) {
-        st[j][h] = fast_exp2(fmaf(st[j][h], scale_log2, -m_exp));
-        st[j][h + 1] = fast_exp2(fmaf(st[j][h + 1], scale_log2, -m_exp));
+        if (j >= kNTiles - kFmaTiles) {
+            st[j][h] = fma_exp2(fmaf(st[j][h], scale_log2, -m_exp));
+            st[j][h + 1] = fma_exp2(fmaf(st[j][h + 1], scale_log2, -m_exp));
+        } else {
+            st[j][h] = fast_exp2(fmaf(st[j][h], scale_log2, -m_exp));
+            st[j][h + 1] = fast_exp2(fmaf(st[j][h + 1], scale_log2, -m_exp));
+        }
         l += st[j][h] + st[j][h + 1];
     }
     return f;

@@ -31,6 +31,9 @@ template <int N> __device__ __forceinline__ void fence_regs(float (&r)[N]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
+// Register reallocation between warpgroups (every thread of the warpgroup executes it).
+template <int N> __device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N> __device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
 // Makes this thread's ordinary shared-memory writes (cp.async included) visible to wgmma's reads.
 [[maybe_unused]] __device__ __forceinline__ void fence_async_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Each wgmma wrapper below is one asm statement; the input type (bf16 or f16) is spliced into

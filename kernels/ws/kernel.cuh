@@ -37,15 +37,25 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
                  "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
                  "@!done bra WS_WAIT;\n}\n" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
 }
+// mbar_wait with a suspend-time hint of kNs nanoseconds a try (ptxas: NANOSLEEP.SYNCS between
+// tries), for the producer warpgroup's waits, whose tries (three instructions each, about 20 cycles
+// apart; 14% of the kernel's issued instructions at (1, 8192, 32, 8, 128)) take issue slots from
+// the consumer warps on the same schedulers. kNs = 0: mbar_wait.
+template <uint32_t kNs> __device__ __forceinline__ void mbar_wait_idle(uint64_t* bar, uint32_t parity) {
+    if constexpr (kNs == 0) {
+        mbar_wait(bar, parity);
+    } else {
+        asm volatile("{\n.reg .pred done;\nWS_WAIT_IDLE:\n"
+                     "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, %2;\n"
+                     "@!done bra WS_WAIT_IDLE;\n}\n" ::"r"(smem_addr(bar)), "r"(parity), "n"(kNs) : "memory");
+    }
+}
 // A box of the 4-D tensor map (coordinates innermost first) into shared memory; completes on `bar`.
 __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2, int c3) {
     asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
                  ::"r"(smem_addr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
                  : "memory");
 }
-// Register reallocation between warpgroups (every thread of the warpgroup executes it).
-template <int N> __device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
-template <int N> __device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
 // A barrier among the consumer warpgroups only (id 1; id 0 is __syncthreads).
 template <int kConsumers> __device__ __forceinline__ void consumers_sync() {
     asm volatile("bar.sync 1, %0;\n" ::"n"(128 * kConsumers) : "memory");
@@ -77,7 +87,18 @@ template <int DP> struct WsTraits {
     // Stages of the ring (K and V tiles each). At width 128, 3 stages (225 KB in all) measured
     // 1.35x of 2 when a stage's K and V were freed together; at 256, 2 fill the shared memory.
     static constexpr int kStages = DP == 64 ? 4 : DP == 128 ? 3 : 2;
-    static constexpr bool kPingPong = true;             // the consumers take turns issuing products
+    // The consumers take turns issuing products (the kernel's kTurns) while every CTA walks at most
+    // kTurnsUpToRounds tiles: launch_ws picks one of the two compiled kernels. Without turns the
+    // five benchmark shapes (about 8 rounds or more) measured 1.01-1.07x, and shapes of one round
+    // 0.95x; the same choice made at run time inside one kernel cost 4-6% (NOTES v53, v54).
+    static constexpr int kTurnsUpToRounds = 1;
+    // n-tiles of each S row (of TK / 8) whose exponentials run on the FMA pipe (fma_exp2), the
+    // rest on MUFU: at width 64 a tile's exponentials take the MUFU pipe as long as its products.
+    static constexpr int kFmaExpTiles = 0;
+    // The producer's waits for a free stage, and the V scan's for a landed V tile, may sleep this
+    // long a try (mbar_wait_idle; 0: spin). In the ncu profile of (1, 8192, 32, 8, 128) each kind
+    // spun about 10 million tries.
+    static constexpr uint32_t kProducerSleepNs = 0, kScanSleepNs = 0;
     // S of tile n + 1 beside P V of tile n, up to width 128. At width 256 (O: 128 registers) the
     // overlap spills around the exact non-finite step and measured 2% slower (NOTES v46).
     static constexpr bool kOverlap = DP <= 128;
@@ -141,7 +162,7 @@ __device__ __forceinline__ int ws_walk(int k, int tiles) {
 // q_tma the producer loads the next tile's Q as soon as every consumer has issued its last S
 // product of this one, so the next tile's first products wait for nothing while this one's last
 // P V, softmax and stores finish. Without q_tma the consumers copy Q themselves at each tile.
-template <int kDtype, int DP>
+template <int kDtype, int DP, bool kTurns>
 __global__ void __launch_bounds__(WsTraits<DP>::kThreads, 1)
 gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const TileDivs dv, int tiles, int section,
               int q_tma) {
@@ -191,7 +212,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
                 // S before it there is free.
                 auto load = [&](const CUtensorMap* map, uint64_t* full, uint64_t* free_, bool v, int step, int n, const WsTile& w) {
                     const int st = step % S;
-                    if (step >= S) mbar_wait(&free_[st], uint32_t((step / S - 1) & 1));
+                    if (step >= S) mbar_wait_idle<Tr::kProducerSleepNs>(&free_[st], uint32_t((step / S - 1) & 1));
                     mbar_arrive_expect(&full[st], uint32_t(Tr::kTileBytes));
                     Elem* dst = v ? sV(st) : sK(st);
 #pragma unroll
@@ -203,7 +224,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
                     const WsTile w = ws_tile<BM, TK>(tile, section, p, dv);
                     load(&maps.k, full_k, free_k, false, it, 0, w);
                     if (q_tma) {
-                        if (tc > 0) mbar_wait(&free_q, uint32_t((tc - 1) & 1));
+                        if (tc > 0) mbar_wait_idle<Tr::kProducerSleepNs>(&free_q, uint32_t((tc - 1) & 1));
                         mbar_arrive_expect(&full_q, uint32_t(Tr::kQBytes));
 #pragma unroll
                         for (int blk = 0; blk < DP / 64; ++blk)
@@ -230,7 +251,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
             const WsTile w = ws_tile<BM, TK>(tile, section, p, dv);
             for (int n = 0; n < w.n_kv; ++n, ++it) {
                 const int st = it % S;
-                mbar_wait(&full_v[st], uint32_t((it / S) & 1));
+                mbar_wait_idle<Tr::kScanSleepNs>(&full_v[st], uint32_t((it / S) & 1));
                 if (n * TK + TK - 1 > w.t_lo) {
                     uint4* chunks = reinterpret_cast<uint4*>(sV(st));
                     bool hit = false;
@@ -264,7 +285,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
     // Turns: warpgroup 0 goes first (the last one's opening pass lets it); each issue of products
     // is one turn, the same number of turns in each warpgroup, and the last warpgroup gives up its
     // very last pass (nobody waits for it), so every barrier ends balanced.
-    constexpr bool kPP = Tr::kPingPong;
+    constexpr bool kPP = kTurns;
     const bool last_wg = wg == kC - 1;
     auto hand_on = [&]() { turn_pass<kC>(wg); };
     if (kPP && last_wg) hand_on();
@@ -312,7 +333,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
                         if (key0 + j * 8 + 2 * tig + (e & 1) > row_t[e >> 1]) s[j][e] = -INFINITY;
             }
 #pragma unroll
-            for (int r = 0; r < 2; ++r) f[r] = softmax_row<kNTiles>(s, 2 * r, m[r], l[r], scale_log2);
+            for (int r = 0; r < 2; ++r) f[r] = softmax_row<kNTiles, false, Tr::kFmaExpTiles>(s, 2 * r, m[r], l[r], scale_log2);
         };
         auto scalar_pv_nonfinite = [&](int key0) { add_nonfinite_pv(o, s, row_t, key0, head.v, p.v_stride_t, T, p.D, bf16); };
         auto issue_qk = [&](int n) { qk_wgmma<bf16, DP, BM, TK>(s, sQ, wg * 64, sK((it + n) % S)); };
@@ -459,9 +480,9 @@ inline cudaError_t ws_tensor_map(CUtensorMap* map, const void* data, const GqaPa
 template <int kDtype, int DP>
 cudaError_t launch_ws(const GqaParams& p, cudaStream_t stream, int dev) {
     using Tr = WsTraits<DP>;
-    auto kernel = gqa_ws_kernel<kDtype, DP>;
-    static bool raised[kMaxDevices] = {};
-    cudaError_t err = raise_smem_limit(kernel, Tr::kSmemBytes, dev, raised);
+    static bool raised[2][kMaxDevices] = {};
+    cudaError_t err = raise_smem_limit(gqa_ws_kernel<kDtype, DP, true>, Tr::kSmemBytes, dev, raised[1]);
+    if (err == cudaSuccess) err = raise_smem_limit(gqa_ws_kernel<kDtype, DP, false>, Tr::kSmemBytes, dev, raised[0]);
     if (err != cudaSuccess) return err;
     const bool bf16 = kDtype == kGqaBFloat16;
     WsMaps maps;
@@ -482,6 +503,8 @@ cudaError_t launch_ws(const GqaParams& p, cudaStream_t stream, int dev) {
     const int64_t pairs = int64_t(p.B) * p.Hkv, pair_bytes = int64_t(p.T) * p.D * 2 * 2;   // K and V, 16-bit
     const bool sections = Tr::kL2SectionBytes > 0 && pairs * pair_bytes > 2 * Tr::kL2SectionBytes;
     const int64_t section = sections ? std::min(pairs, std::max<int64_t>(1, Tr::kL2SectionBytes / pair_bytes)) : pairs;
+    const bool turns = tiles <= int64_t(Tr::kTurnsUpToRounds) * ctas;
+    auto kernel = turns ? gqa_ws_kernel<kDtype, DP, true> : gqa_ws_kernel<kDtype, DP, false>;
     kernel<<<unsigned(ctas), Tr::kThreads, Tr::kSmemBytes, stream>>>(maps, p, dv, int(tiles), int(section), q_tma ? 1 : 0);
     return cudaGetLastError();
 }
