@@ -277,10 +277,13 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdPara
     cp_async_commit();
 
     // Step i is query tile kt + i / G of head kv_head * G + i % G: its Q, dO, lse2 and delta go to
-    // stage i % 2 while step i - 1 computes from the other stage.
+    // stage i % 2 while step i - 1 computes from the other stage. The steps are loaded in order, so
+    // the next one's tile and head are counted on (no division a step).
     const int steps = (tiles - kt) * p.group;
-    auto load_step = [&](int i, int st) {
-        const int q0 = (kt + i / p.group) * kTile, h = kv_head * p.group + i % p.group;
+    int load_qt = kt, load_g = 0;   // the next step to load: its query tile, and its head in the group
+    auto load_next = [&](int st) {
+        const int q0 = load_qt * kTile, h = kv_head * p.group + load_g;
+        if (++load_g == p.group) load_g = 0, ++load_qt;
         Pol::load(q_tile(st), static_cast<const uint16_t*>(p.q), b, q0, h, p.Hq, p.T);
         Pol::load(do_tile(st), static_cast<const uint16_t*>(p.dout), b, q0, h, p.Hq, p.T);
         for (int r = threadIdx.x; r < kTile; r += kThreads) {
@@ -290,14 +293,16 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdPara
             cp_async4(delta_s(st) + r, p.delta + row, t < p.T ? 4 : 0);
         }
     };
-    load_step(0, 0);
+    load_next(0);
     cp_async_commit();
 
     float dk[1][OUT / 8][4] = {}, dv[1][OUT / 8][4] = {};
+    int step_qt = kt, step_g = 0;   // step i's query tile and head in the group, counted on
     for (int i = 0; i < steps; ++i) {
-        const int st = i & 1, q0 = (kt + i / p.group) * kTile;
+        const int st = i & 1, q0 = step_qt * kTile;
+        if (++step_g == p.group) step_g = 0, ++step_qt;
         if (!kBwdEarlyIssue) {
-            if (i + 1 < steps) load_step(i + 1, st ^ 1);
+            if (i + 1 < steps) load_next(st ^ 1);
             cp_async_commit();    // (empty on the last step)
         }
         cp_async_wait<kBwdEarlyIssue ? 0 : 1>();   // step i has landed
@@ -313,7 +318,7 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdPara
             Pol::settle(dv);
             Pol::settle(dk);
             __syncthreads();
-            if (i + 1 < steps) load_step(i + 1, st ^ 1);
+            if (i + 1 < steps) load_next(st ^ 1);
             cp_async_commit();    // (empty on the last step)
         }
         // Masks only where a query can precede a key (the diagonal tile) or a row or key is past T.
@@ -324,14 +329,23 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdPara
         if (kBwdStatsInRegs) read_columns(column, lse2_t, lane);
         Pol::template wait<1>();   // S^T; dP^T still running
         Pol::settle(s);
+        // P^T for every element, then the masked ones zeroed on edge tiles alone: with the mask in
+        // the same expression the compiler branched around each exponential (BSSY, two BRA,
+        // BSYNC an element, edge tile or not; bench/NOTES.md v59).
+        const float scale_log2 = p.scale_log2;
 #pragma unroll
         for (int n = 0; n < kTile / 8; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int j = j_base + frag_row(lane, e), t = q0 + frag_col(lane, n, e);
-                const bool masked = edge && (t < j || t >= p.T || j >= p.T);
-                s[0][n][e] = masked ? 0.f : fast_exp2(s[0][n][e] * p.scale_log2 - stat_of(lse2_t, n, e));   // P^T
-            }
+            for (int e = 0; e < 4; ++e) s[0][n][e] = fast_exp2(s[0][n][e] * scale_log2 - stat_of(lse2_t, n, e));
+        if (edge) {
+#pragma unroll
+            for (int n = 0; n < kTile / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int j = j_base + frag_row(lane, e), t = q0 + frag_col(lane, n, e);
+                    if (t < j || t >= p.T || j >= p.T) s[0][n][e] = 0.f;
+                }
+        }
         uint32_t pa[kTile / 16][4], pa2[kTile / 16][4];
         Pol::pv_issue(dv, pa, s, Pol::columns(do_tile(st), col0), lane);   // dV += P^T dO
         if (kBwdStatsInRegs) read_columns(column, delta_t, lane);

@@ -313,11 +313,12 @@ __global__ void __launch_bounds__(FusedTraits<DP>::kThreads, 1) gqa_bwd_fused_ke
         if (cb == wg) {   // at width 64 the second warpgroup has no columns of its own
             const unsigned char* a = reinterpret_cast<const unsigned char*>(sdS);
             const unsigned char* kb = reinterpret_cast<const unsigned char*>(sK) + cb * 128 * 128;
+            const uint64_t ad = wg_desc(a, 128 * 128, 1024), kd = wg_desc(kb, 128 * 128, 1024);
             wg_fence();
 #pragma unroll
             for (int ks = 0; ks < 8; ++ks)
-                wgmma_ss_n64<kBf16, 1, 1>(reinterpret_cast<float(&)[32]>(dq), wg_desc(a + ks * 16 * 128, 128 * 128, 1024),
-                                          wg_desc(kb + ks * 16 * 128, 128 * 128, 1024), ks > 0);
+                wgmma_ss_n64<kBf16, 1, 1>(reinterpret_cast<float(&)[32]>(dq), wg_desc_at(ad, ks * 16 * 128),
+                                          wg_desc_at(kd, ks * 16 * 128), ks > 0);
             wg_commit();
             wg_wait<0>();
             fence_regs(reinterpret_cast<float(&)[32]>(dq));

@@ -21,6 +21,14 @@ __host__ __device__ constexpr uint32_t sw128_offset(int r, int c, int rows) {   
     return uint64_t((a & 0x3FFFF) >> 4) | (uint64_t((lbo & 0x3FFFF) >> 4) << 16) | (uint64_t((sbo & 0x3FFFF) >> 4) << 32) |
            (uint64_t(1) << 62);
 }
+// The descriptor `bytes` past desc's start (a constant offset inside the same shared tile). The
+// start field is the low 14 bits of the low word (address / 16), which no shared-memory address
+// overflows, so one 32-bit add does it: built afresh from the address, each k-step's descriptor
+// took about 12 uniform instructions between two wgmma issues (bench/NOTES.md v60).
+__device__ __forceinline__ uint64_t wg_desc_at(uint64_t desc, uint32_t bytes) {
+    const uint32_t lo = uint32_t(desc) + (bytes >> 4), hi = uint32_t(desc >> 32);
+    return (uint64_t(hi) << 32) | lo;
+}
 [[maybe_unused]] __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 [[maybe_unused]] __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 // Waits until at most N committed wgmma groups of this warpgroup are still running.
@@ -88,13 +96,13 @@ template <bool kBf16, int DP, int QR, int KR, int NT>
 __device__ __forceinline__ void qk_wgmma(float (&s)[NT][4], const uint16_t* q_tile, int q_row0, const uint16_t* k_tile,
                                          bool accumulate = false) {
     static_assert(NT == 8 || NT == 16, "64 or 128 keys");
-    const unsigned char* qb = reinterpret_cast<const unsigned char*>(q_tile) + q_row0 * 128;
-    const unsigned char* kb = reinterpret_cast<const unsigned char*>(k_tile);
+    const uint64_t qd = wg_desc(reinterpret_cast<const unsigned char*>(q_tile) + q_row0 * 128, 16, 1024);
+    const uint64_t kd = wg_desc(k_tile, 16, 1024);
     wg_fence();
 #pragma unroll
     for (int kk = 0; kk < DP / 16; ++kk) {
         const int blk = kk / 4, col = (kk % 4) * 32;   // 64-column block, byte offset of the k-step
-        const uint64_t da = wg_desc(qb + blk * QR * 128 + col, 16, 1024), db = wg_desc(kb + blk * KR * 128 + col, 16, 1024);
+        const uint64_t da = wg_desc_at(qd, blk * QR * 128 + col), db = wg_desc_at(kd, blk * KR * 128 + col);
         if constexpr (NT == 8) wgmma_ss_n64<kBf16>(reinterpret_cast<float(&)[32]>(s), da, db, kk > 0 || accumulate);
         else wgmma_ss_n128<kBf16>(reinterpret_cast<float(&)[64]>(s), da, db, kk > 0 || accumulate);
     }
@@ -121,11 +129,11 @@ __device__ __forceinline__ void pack_p(uint32_t (&a)[NT / 2][4], const float (&s
 template <bool kBf16, int DP, int KR, int KS>
 __device__ __forceinline__ void pv_wgmma(float (&o)[DP / 8][4], const uint32_t (&a)[KS][4], const uint16_t* v_tile,
                                          bool accumulate = true) {
-    const unsigned char* vb = reinterpret_cast<const unsigned char*>(v_tile);
+    const uint64_t vd = wg_desc(v_tile, KR * 128, 1024);
     wg_fence();
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {   // 16 keys a step
-        const uint64_t db = wg_desc(vb + ks * 16 * 128, KR * 128, 1024);
+        const uint64_t db = wg_desc_at(vd, ks * 16 * 128);
         if constexpr (DP == 64) {
             wgmma_rs_tb_n64<kBf16>(reinterpret_cast<float(&)[32]>(o), a[ks], db, ks > 0 || accumulate);
         } else if constexpr (DP == 128) {
@@ -133,7 +141,7 @@ __device__ __forceinline__ void pv_wgmma(float (&o)[DP / 8][4], const uint32_t (
         } else {   // 256: two n128 halves, the second from V's third 64-column block
             static_assert(DP == 256, "head_dim widths 64, 128 and 256");
             wgmma_rs_tb_n128<kBf16>(reinterpret_cast<float(&)[64]>(o[0]), a[ks], db, ks > 0 || accumulate);
-            wgmma_rs_tb_n128<kBf16>(reinterpret_cast<float(&)[64]>(o[16]), a[ks], wg_desc(vb + ks * 16 * 128 + 2 * KR * 128, KR * 128, 1024),
+            wgmma_rs_tb_n128<kBf16>(reinterpret_cast<float(&)[64]>(o[16]), a[ks], wg_desc_at(vd, ks * 16 * 128 + 2 * KR * 128),
                                     ks > 0 || accumulate);
         }
     }
