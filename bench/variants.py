@@ -24,6 +24,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WS = "kernels/ws/kernel.cuh"
 FUSED = ("kernels/gqa_params.h", "kGqaFusedBackward = false;", "kGqaFusedBackward = true;")
 DQ_ADD = ("kernels/bwdwg/fused.cuh", "kDqAdd = DqAdd::kTurn;")   # the fused kernel's dQ add (FusedTraits)
+BWD_CP_ASYNC = ("kernels/bwdwg/bwdwg.cu", "static constexpr bool kTma = true;", "static constexpr bool kTma = false;")
 
 # name -> [(file, old text, new text)]; "base" is the checkout as it is. Timed in this order.
 VARIANTS = {
@@ -43,7 +44,8 @@ VARIANTS = {
     "fma_exp_quarter_at_64": [(WS, "kFmaExpTiles = 0;", "kFmaExpTiles = DP == 64 ? 4 : 0;")],
     "fma_exp_eighth_at_64": [(WS, "kFmaExpTiles = 0;", "kFmaExpTiles = DP == 64 ? 2 : 0;")],
     "turns_always": [(WS, "kTurnsUpToRounds = 1;", "kTurnsUpToRounds = 1 << 30;")],
-    "bwd_early_issue": [("kernels/bwdmma/kernels.cuh", "kBwdEarlyIssue = false;", "kBwdEarlyIssue = true;")],
+    "bwd_cp_async": [BWD_CP_ASYNC],
+    "bwd_early_issue": [("kernels/bwdmma/kernels.cuh", "kBwdEarlyIssue = false;", "kBwdEarlyIssue = true;"), BWD_CP_ASYNC],
     "bwd_stats_from_shared": [("kernels/bwdmma/kernels.cuh", "kBwdStatsInRegs = true;", "kBwdStatsInRegs = false;")],
     "no_l2_sections": [(WS, "kL2SectionBytes = int64_t(24) << 20;", "kL2SectionBytes = 0;")],
     "l2_sections_12mb": [(WS, "kL2SectionBytes = int64_t(24) << 20;", "kL2SectionBytes = int64_t(12) << 20;")],

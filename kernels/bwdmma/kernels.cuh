@@ -58,6 +58,12 @@ __device__ __forceinline__ void read_columns(float (&column)[kTile / 8][2], cons
         for (int e = 0; e < 2; ++e) column[n][e] = stat[frag_col(lane, n, e)];
 }
 
+// Where query row t of (batch b, head h) keeps its lse2 and delta: [B, Hq, T64]
+// (gqa_bwd_stat_floats), a query tile's 64 values in one contiguous run, rows past T zero.
+__device__ __forceinline__ int64_t bwd_stat_row(int64_t b, int h, int t, const GqaBwdParams& p) {
+    return (b * p.Hq + h) * ((int64_t(p.T) + 63) / 64 * 64) + t;
+}
+
 // A CTA's batch, head and tile index in a grid of tiles x B x `heads`, heads fastest.
 struct BwdCta {
     int64_t b;
@@ -237,23 +243,23 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int t = q0 + 16 * warp + frag_row(lane, 2 * half);
+        if ((lane & 3) == 0 && col0 == 0) {   // every row of the tile, zeros past T
+            const int64_t stat = bwd_stat_row(b, h, t, p);
+            p.lse2[stat] = t < p.T ? lse2[half] : 0.f;
+            p.delta[stat] = t < p.T ? delta[half] : 0.f;
+        }
         if (t >= p.T) continue;
-        const int64_t row = (b * p.T + t) * p.Hq + h;
-        uint16_t* out = static_cast<uint16_t*>(p.dq) + row * DP + col0;
+        uint16_t* out = static_cast<uint16_t*>(p.dq) + ((b * p.T + t) * p.Hq + h) * DP + col0;
 #pragma unroll
         for (int n = 0; n < OUT / 8; ++n)
             if (!kStats)
                 store_pair(out + frag_col(lane, n, 2 * half), dq[0][n][2 * half] * p.scale, dq[0][n][2 * half + 1] * p.scale, bf16);
-        if ((lane & 3) == 0 && col0 == 0) {
-            p.lse2[row] = lse2[half];
-            p.delta[row] = delta[half];
-        }
     }
 }
 
 // Kernel 2: one CTA per (key tile, batch, kv head); the tiles with the most queries start first.
 template <class Pol>
-__global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdParams p) {
+__global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdParams p, const __grid_constant__ typename Pol::Maps maps) {
     if (*p.nonfinite) return;   // the row-wise kernels take this call
     constexpr bool kBf16 = Pol::kBf16;
     constexpr int DP = Pol::DP, H = Pol::kTileHalves, OUT = Pol::kOut;
@@ -271,6 +277,14 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdPara
     const int kv_head = cta.head, warp = threadIdx.x / 32, lane = threadIdx.x % 32, tiles = (p.T + kTile - 1) / kTile;
     const int kt = cta.tile, k0 = kt * kTile;
     const bool bf16 = kBf16;
+    // Pol::kTma: a stage's Q, dO, lse2 and delta come by TMA, issued by thread 0, and land on the
+    // stage's barrier (phase k: the stage's k-th step).
+    __shared__ uint64_t landed_bar[2];
+    static_assert(!(Pol::kTma && kBwdEarlyIssue), "early issue reloads a stage by cp.async only");
+    if constexpr (Pol::kTma) {
+        if (threadIdx.x == 0) Pol::init_landed(landed_bar);
+        __syncthreads();
+    }
 
     Pol::load(k_tile, static_cast<const uint16_t*>(p.k), b, k0, kv_head, p.Hkv, p.T);
     Pol::load(v_tile, static_cast<const uint16_t*>(p.v), b, k0, kv_head, p.Hkv, p.T);
@@ -284,13 +298,18 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdPara
     auto load_next = [&](int st) {
         const int q0 = load_qt * kTile, h = kv_head * p.group + load_g;
         if (++load_g == p.group) load_g = 0, ++load_qt;
-        Pol::load(q_tile(st), static_cast<const uint16_t*>(p.q), b, q0, h, p.Hq, p.T);
-        Pol::load(do_tile(st), static_cast<const uint16_t*>(p.dout), b, q0, h, p.Hq, p.T);
-        for (int r = threadIdx.x; r < kTile; r += kThreads) {
-            const int t = q0 + r;
-            const int64_t row = (b * p.T + (t < p.T ? t : 0)) * p.Hq + h;
-            cp_async4(lse2_s(st) + r, p.lse2 + row, t < p.T ? 4 : 0);
-            cp_async4(delta_s(st) + r, p.delta + row, t < p.T ? 4 : 0);
+        const int64_t stat = bwd_stat_row(b, h, q0, p);   // 64 values, zeros past T
+        if constexpr (Pol::kTma) {
+            if (threadIdx.x == 0)
+                Pol::load_step(maps, q_tile(st), do_tile(st), lse2_s(st), delta_s(st), p.lse2 + stat, p.delta + stat,
+                               &landed_bar[st], b, q0, h);
+        } else {
+            Pol::load(q_tile(st), static_cast<const uint16_t*>(p.q), b, q0, h, p.Hq, p.T);
+            Pol::load(do_tile(st), static_cast<const uint16_t*>(p.dout), b, q0, h, p.Hq, p.T);
+            if (threadIdx.x < kTile / 4) {
+                cp_async16(lse2_s(st) + 4 * threadIdx.x, p.lse2 + stat + 4 * threadIdx.x, 16);
+                cp_async16(delta_s(st) + 4 * threadIdx.x, p.delta + stat + 4 * threadIdx.x, 16);
+            }
         }
     };
     load_next(0);
@@ -301,18 +320,24 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdPara
     for (int i = 0; i < steps; ++i) {
         const int st = i & 1, q0 = step_qt * kTile;
         if (++step_g == p.group) step_g = 0, ++step_qt;
-        if (!kBwdEarlyIssue) {
+        if (!kBwdEarlyIssue && !Pol::kTma) {
             if (i + 1 < steps) load_next(st ^ 1);
             cp_async_commit();    // (empty on the last step)
         }
-        cp_async_wait<kBwdEarlyIssue ? 0 : 1>();   // step i has landed
+        cp_async_wait<kBwdEarlyIssue ? 0 : 1>();   // step i has landed (kTma: K and V)
         Pol::landed();
         __syncthreads();
+        if constexpr (Pol::kTma) Pol::await_step(&landed_bar[st], uint32_t((i >> 1) & 1));
         const float* lse2_t = lse2_s(st);
         const float* delta_t = delta_s(st);
         float s[1][kTile / 8][4], dp[1][kTile / 8][4];
         Pol::qk_issue(s, k_tile, q_tile(st), warp, lane);     // S^T
         Pol::qk_issue(dp, v_tile, do_tile(st), warp, lane);   // dP^T
+        // kTma: step i + 1's copies go out under the products (its stage was freed by the barrier
+        // that ended step i - 1), so the issuing warp does not hold up this step's barrier.
+        if constexpr (Pol::kTma) {
+            if (i + 1 < steps) load_next(st ^ 1);
+        }
         if (kBwdEarlyIssue) {
             Pol::template wait<2>();   // the last step's dV and dK: its stage is free
             Pol::settle(dv);
@@ -400,7 +425,10 @@ cudaError_t bwd_launch(const GqaBwdParams& p, cudaStream_t stream, int dev) {
     gqa_bwd_dq_kernel<Pol><<<dim3(unsigned(dq_ctas), kHalves), kThreads, dq_smem, stream>>>(p);
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
-    gqa_bwd_dkdv_kernel<Pol><<<dim3(unsigned(dkdv_ctas), kHalves), kThreads, dkdv_smem, stream>>>(p);
+    typename Pol::Maps maps;
+    err = Pol::make_maps(p, &maps);
+    if (err != cudaSuccess) return err;
+    gqa_bwd_dkdv_kernel<Pol><<<dim3(unsigned(dkdv_ctas), kHalves), kThreads, dkdv_smem, stream>>>(p, maps);
     return cudaGetLastError();
 }
 

@@ -6,6 +6,7 @@
 // kernel for dK, dV and dQ.
 
 #include "bwdwg/fused.cuh"
+#include "common/tma.cuh"
 
 namespace {
 
@@ -33,6 +34,41 @@ template <bool kBf16_, int DP_> struct WgProducts {
     }
     // This thread's copies, before the barrier after which the warpgroup's products read them.
     static __device__ __forceinline__ void landed() { fence_async_proxy(); }
+    // The dK/dV kernel's steps (Q, dO, lse2 and delta) by TMA from one thread instead of cp.async
+    // from every thread: the copies' addresses and bounds were about a third of a step's
+    // instructions (bench/NOTES.md v61). Q and dO through tensor maps (dims D, Hq, T, B; boxes of
+    // 64 columns x 1 head x 64 steps, zeros past T), lse2 and delta as two bulk copies.
+    static constexpr bool kTma = true;
+    struct Maps {
+        CUtensorMap q, dout;
+    };
+    static cudaError_t make_maps(const GqaBwdParams& p, Maps* m) {
+        const bool bf16 = kBf16;
+        const cuuint64_t dims[4] = {cuuint64_t(DP), cuuint64_t(p.Hq), cuuint64_t(p.T), cuuint64_t(p.B)};
+        const cuuint64_t strides[3] = {cuuint64_t(DP) * 2, cuuint64_t(p.Hq) * DP * 2, cuuint64_t(p.T) * p.Hq * DP * 2};
+        const cuuint32_t box[4] = {64, 1, kTile, 1};
+        const cudaError_t err = tensor_map_16bit(&m->q, p.q, bf16, dims, strides, box);
+        return err != cudaSuccess ? err : tensor_map_16bit(&m->dout, p.dout, bf16, dims, strides, box);
+    }
+    static __device__ __forceinline__ void init_landed(uint64_t (&bars)[2]) {
+        mbar_init(&bars[0], 1);
+        mbar_init(&bars[1], 1);
+        mbar_init_fence();
+    }
+    // One thread: a step's tiles and statistics into a stage, landing on `bar`.
+    static __device__ __forceinline__ void load_step(const Maps& m, uint16_t* q_dst, uint16_t* do_dst, float* lse2_dst,
+                                                     float* delta_dst, const float* lse2, const float* delta,
+                                                     uint64_t* bar, int64_t b, int q0, int h) {
+        mbar_arrive_expect(bar, uint32_t(2 * kTileHalves * 2 + 2 * kTile * 4));
+#pragma unroll
+        for (int blk = 0; blk < DP / 64; ++blk) {
+            tma_load_4d(q_dst + blk * kTile * 64, &m.q, bar, blk * 64, h, q0, int(b));
+            tma_load_4d(do_dst + blk * kTile * 64, &m.dout, bar, blk * 64, h, q0, int(b));
+        }
+        bulk_load(lse2_dst, lse2, kTile * 4, bar);
+        bulk_load(delta_dst, delta, kTile * 4, bar);
+    }
+    static __device__ __forceinline__ void await_step(uint64_t* bar, uint32_t parity) { mbar_wait(bar, parity); }
     // Issues s = A B^T for the warpgroup's 64 rows of tile A (each warp's 16 in its s) and tile
     // B's 64, as one commit group: s is valid after the matching wait and settle.
     static __device__ __forceinline__ void qk_issue(float (&s)[1][kTile / 8][4], const uint16_t* a, const uint16_t* b, int, int) {

@@ -182,11 +182,10 @@ __global__ void __launch_bounds__(FusedTraits<DP>::kThreads, 1) gqa_bwd_fused_ke
         const int q0 = step_tile(i) * Tr::kRows, h = step_head(i);
         swizzled_load<DP, 64, 256>(sQ(st), static_cast<const uint16_t*>(p.q), b, q0, h, p.Hq, T);
         swizzled_load<DP, 64, 256>(sdO(st), static_cast<const uint16_t*>(p.dout), b, q0, h, p.Hq, T);
-        for (int r = threadIdx.x; r < Tr::kRows; r += Tr::kMmaThreads) {
-            const int t = q0 + r;
-            const int64_t row = (b * T + (t < T ? t : 0)) * p.Hq + h;
-            cp_async4(lse2_s(st) + r, p.lse2 + row, t < T ? 4 : 0);
-            cp_async4(delta_s(st) + r, p.delta + row, t < T ? 4 : 0);
+        if (threadIdx.x < Tr::kRows / 4) {   // 64 values each, zeros past T
+            const int64_t stat = bwd_stat_row(b, h, q0, p) + 4 * threadIdx.x;
+            cp_async16(lse2_s(st) + 4 * threadIdx.x, p.lse2 + stat, 16);
+            cp_async16(delta_s(st) + 4 * threadIdx.x, p.delta + stat, 16);
         }
     };
     // This warpgroup's piece of the sum for step `step`: 64 query rows x its 64 columns.
