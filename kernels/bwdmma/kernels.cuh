@@ -77,7 +77,7 @@ __device__ __forceinline__ BwdCta bwd_cta(int B, int heads) {
 // Kernel 1: one CTA per (query tile, batch, head); the tiles with the most keys start first.
 // kStats: pass 1 and delta only (lse2 and delta for a kernel that computes dQ itself).
 template <class Pol, bool kStats = false>
-__global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams p) {
+__global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams p, const __grid_constant__ typename Pol::Maps maps) {
     constexpr bool kBf16 = Pol::kBf16;
     constexpr int DP = Pol::DP, H = Pol::kTileHalves, OUT = Pol::kOut;
     const int col0 = OUT == DP ? 0 : int(blockIdx.y) * OUT;   // this CTA's dQ columns (OUT < DP: a grid of DP / OUT)
@@ -96,15 +96,29 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
     const int qt = (p.T + kTile - 1) / kTile - 1 - cta.tile, q0 = qt * kTile;
     const bool bf16 = kBf16;
     const uint16_t *k_in = static_cast<const uint16_t*>(p.k), *v_in = static_cast<const uint16_t*>(p.v);
+    // Pol::kTma: pass 2's K and V tiles come by TMA, issued by thread 0, and land on their stage's
+    // barrier (phase k: the stage's k-th tile).
+    constexpr bool kTmaKv = Pol::kTma && !kStats;
+    __shared__ uint64_t landed_bar[2];
+    if constexpr (kTmaKv) {
+        if (threadIdx.x == 0) Pol::init_landed(landed_bar);
+        __syncthreads();
+    }
+    // Key tile kt of pass 2 into stage st.
+    auto load_kv_tile = [&](int kt, int st) {
+        if constexpr (kTmaKv) {
+            if (threadIdx.x == 0) Pol::load_kv(maps, k_of(st), v_of(st), &landed_bar[st], b, kt * kTile, kv_head);
+        } else {
+            Pol::load(k_of(st), k_in, b, kt * kTile, kv_head, p.Hkv, p.T);
+            Pol::load(v_of(st), v_in, b, kt * kTile, kv_head, p.Hkv, p.T);
+        }
+    };
 
     Pol::load(q_tile, static_cast<const uint16_t*>(p.q), b, q0, h, p.Hq, p.T);
     Pol::load(do_tile, static_cast<const uint16_t*>(p.dout), b, q0, h, p.Hq, p.T);
     cp_async_commit();
     // Pass 2's first K and V (stage 1, which pass 1 leaves alone), landed by pass 1's first wait.
-    if (!kStats) {
-        Pol::load(k_of(1), k_in, b, 0, kv_head, p.Hkv, p.T);
-        Pol::load(v_of(1), v_in, b, 0, kv_head, p.Hkv, p.T);
-    }
+    if (!kStats) load_kv_tile(0, 1);
     cp_async_commit();
 
     // delta of this lane's two rows (every lane of a quad computes the same value).
@@ -193,22 +207,23 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
     // Pass 2: dQ. Key tile kt sits in stage (kt + 1) % 2; the next one loads during this one.
     float dq[1][OUT / 8][4] = {};
     auto load_kv = [&](int kt) {   // key tile kt + 1 into the other stage
-        const int st = (kt + 1) & 1;
-        if (kt < qt) {
-            Pol::load(k_of(st ^ 1), k_in, b, (kt + 1) * kTile, kv_head, p.Hkv, p.T);
-            Pol::load(v_of(st ^ 1), v_in, b, (kt + 1) * kTile, kv_head, p.Hkv, p.T);
-        }
+        if (kt < qt) load_kv_tile(kt + 1, ((kt + 1) & 1) ^ 1);
         cp_async_commit();    // (empty on the last tile)
     };
+    static_assert(!(Pol::kTma && kBwdEarlyIssue), "early issue reloads a stage by cp.async only");
     for (int kt = 0; kt <= (kStats ? -1 : qt); ++kt) {
         const int st = (kt + 1) & 1;
-        if (!kBwdEarlyIssue) load_kv(kt);
-        cp_async_wait<kBwdEarlyIssue ? 0 : 1>();   // key tile kt has landed
+        if (!kBwdEarlyIssue && !kTmaKv) load_kv(kt);
+        cp_async_wait<kBwdEarlyIssue || kTmaKv ? 0 : 1>();   // key tile kt has landed (kTma: Q and dO)
         Pol::landed();
         __syncthreads();
+        if constexpr (kTmaKv) Pol::await_step(&landed_bar[st], uint32_t((kt >> 1) & 1));
         float s[1][kTile / 8][4], dp[1][kTile / 8][4];
         Pol::qk_issue(s, q_tile, k_of(st), warp, lane);
         Pol::qk_issue(dp, do_tile, v_of(st), warp, lane);
+        // kTma: tile kt + 1 goes out under the products (its stage was freed by the barrier that
+        // ended tile kt - 1).
+        if constexpr (kTmaKv) load_kv(kt);
         if (kBwdEarlyIssue) {
             Pol::template wait<2>();   // the last tile's dQ product: its stage is free
             Pol::settle(dq);
@@ -422,11 +437,11 @@ cudaError_t bwd_launch(const GqaBwdParams& p, cudaStream_t stream, int dev) {
     err = raise_smem_limit(gqa_bwd_dkdv_kernel<Pol>, dkdv_smem, dev, raised_dkdv);
     if (err != cudaSuccess) return err;
     constexpr unsigned kHalves = Pol::DP / Pol::kOut;   // CTAs a tile, each its output columns
-    gqa_bwd_dq_kernel<Pol><<<dim3(unsigned(dq_ctas), kHalves), kThreads, dq_smem, stream>>>(p);
-    err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
     typename Pol::Maps maps;
     err = Pol::make_maps(p, &maps);
+    if (err != cudaSuccess) return err;
+    gqa_bwd_dq_kernel<Pol><<<dim3(unsigned(dq_ctas), kHalves), kThreads, dq_smem, stream>>>(p, maps);
+    err = cudaGetLastError();
     if (err != cudaSuccess) return err;
     gqa_bwd_dkdv_kernel<Pol><<<dim3(unsigned(dkdv_ctas), kHalves), kThreads, dkdv_smem, stream>>>(p, maps);
     return cudaGetLastError();

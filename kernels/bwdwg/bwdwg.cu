@@ -34,21 +34,26 @@ template <bool kBf16_, int DP_> struct WgProducts {
     }
     // This thread's copies, before the barrier after which the warpgroup's products read them.
     static __device__ __forceinline__ void landed() { fence_async_proxy(); }
-    // The dK/dV kernel's steps (Q, dO, lse2 and delta) by TMA from one thread instead of cp.async
-    // from every thread: the copies' addresses and bounds were about a third of a step's
-    // instructions (bench/NOTES.md v61). Q and dO through tensor maps (dims D, Hq, T, B; boxes of
-    // 64 columns x 1 head x 64 steps, zeros past T), lse2 and delta as two bulk copies.
+    // The dK/dV kernel's steps (Q, dO, lse2 and delta) and the dQ kernel's K and V tiles by TMA
+    // from one thread instead of cp.async from every thread: the copies' addresses and bounds were
+    // about a third of a step's instructions (bench/NOTES.md v61, v62). Q, dO, K and V through
+    // tensor maps (dims D, heads, T, B; boxes of 64 columns x 1 head x 64 steps, zeros past T),
+    // lse2 and delta as two bulk copies.
     static constexpr bool kTma = true;
     struct Maps {
-        CUtensorMap q, dout;
+        CUtensorMap q, dout, k, v;
     };
     static cudaError_t make_maps(const GqaBwdParams& p, Maps* m) {
         const bool bf16 = kBf16;
-        const cuuint64_t dims[4] = {cuuint64_t(DP), cuuint64_t(p.Hq), cuuint64_t(p.T), cuuint64_t(p.B)};
-        const cuuint64_t strides[3] = {cuuint64_t(DP) * 2, cuuint64_t(p.Hq) * DP * 2, cuuint64_t(p.T) * p.Hq * DP * 2};
         const cuuint32_t box[4] = {64, 1, kTile, 1};
-        const cudaError_t err = tensor_map_16bit(&m->q, p.q, bf16, dims, strides, box);
-        return err != cudaSuccess ? err : tensor_map_16bit(&m->dout, p.dout, bf16, dims, strides, box);
+        const auto rows = [&](CUtensorMap* map, const void* data, int heads) {   // (D, heads, T, B), contiguous
+            return tensor_map_16bit(map, data, bf16, {cuuint64_t(DP), cuuint64_t(heads), cuuint64_t(p.T), cuuint64_t(p.B)},
+                                    {cuuint64_t(DP) * 2, cuuint64_t(heads) * DP * 2, cuuint64_t(p.T) * heads * DP * 2}, box);
+        };
+        cudaError_t err = rows(&m->q, p.q, p.Hq);
+        if (err == cudaSuccess) err = rows(&m->dout, p.dout, p.Hq);
+        if (err == cudaSuccess) err = rows(&m->k, p.k, p.Hkv);
+        return err != cudaSuccess ? err : rows(&m->v, p.v, p.Hkv);
     }
     static __device__ __forceinline__ void init_landed(uint64_t (&bars)[2]) {
         mbar_init(&bars[0], 1);
@@ -67,6 +72,16 @@ template <bool kBf16_, int DP_> struct WgProducts {
         }
         bulk_load(lse2_dst, lse2, kTile * 4, bar);
         bulk_load(delta_dst, delta, kTile * 4, bar);
+    }
+    // One thread: the dQ kernel's K and V tiles of keys k0 .. k0 + 63 into a stage, landing on `bar`.
+    static __device__ __forceinline__ void load_kv(const Maps& m, uint16_t* k_dst, uint16_t* v_dst, uint64_t* bar,
+                                                   int64_t b, int k0, int kvh) {
+        mbar_arrive_expect(bar, uint32_t(2 * kTileHalves * 2));
+#pragma unroll
+        for (int blk = 0; blk < DP / 64; ++blk) {
+            tma_load_4d(k_dst + blk * kTile * 64, &m.k, bar, blk * 64, kvh, k0, int(b));
+            tma_load_4d(v_dst + blk * kTile * 64, &m.v, bar, blk * 64, kvh, k0, int(b));
+        }
     }
     static __device__ __forceinline__ void await_step(uint64_t* bar, uint32_t parity) { mbar_wait(bar, parity); }
     // Issues s = A B^T for the warpgroup's 64 rows of tile A (each warp's 16 in its s) and tile

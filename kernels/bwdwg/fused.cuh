@@ -385,7 +385,7 @@ cudaError_t fused_launch(const GqaBwdParams& p, cudaStream_t stream, int dev) {
     if (err == cudaSuccess)
         err = cudaMemsetAsync(p.dq_accum, 0, gqa_fused_dq_floats(p) * sizeof(float), stream);
     if (err != cudaSuccess) return err;
-    gqa_bwd_dq_kernel<Pol, true><<<unsigned(stats_ctas), kThreads, BwdSmem<Pol>::kDq, stream>>>(p);
+    gqa_bwd_dq_kernel<Pol, true><<<unsigned(stats_ctas), kThreads, BwdSmem<Pol>::kDq, stream>>>(p, typename Pol::Maps{});   // (no TMA in pass 1)
     gqa_bwd_fused_kernel<kBf16, DP><<<unsigned(fused_ctas), Tr::kThreads, Tr::kSmem, stream>>>(p);
     const int64_t quads = int64_t(p.B) * p.Hq * ((p.T + 63) / 64) * 16 * DP;
     const int64_t blocks = (quads + 255) / 256 < 4096 ? (quads + 255) / 256 : 4096;
