@@ -232,12 +232,21 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
         }
         Pol::template wait<1>();   // S; dP still running
         Pol::settle(s);
-        const bool edge = kt == qt;
+        // P for every element, then the masked ones zeroed on the diagonal tile alone (with the
+        // mask in the same expression the compiler tested it, and reloaded scale_log2, for every
+        // element of every tile: bench/NOTES.md v63).
+        const float scale_log2 = p.scale_log2;
 #pragma unroll
         for (int n = 0; n < kTile / 8; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-                s[0][n][e] = edge && masked(kt, n, e) ? 0.f : fast_exp2(s[0][n][e] * p.scale_log2 - lse2[e >> 1]);   // P
+            for (int e = 0; e < 4; ++e) s[0][n][e] = fast_exp2(s[0][n][e] * scale_log2 - lse2[e >> 1]);   // P
+        if (kt == qt) {
+#pragma unroll
+            for (int n = 0; n < kTile / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (masked(kt, n, e)) s[0][n][e] = 0.f;
+        }
         Pol::template wait<0>();
         Pol::settle(dp);
 #pragma unroll
