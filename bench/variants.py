@@ -45,6 +45,8 @@ VARIANTS = {
     "fma_exp_eighth_at_64": [(WS, "kFmaExpTiles = 0;", "kFmaExpTiles = DP == 64 ? 2 : 0;")],
     "turns_always": [(WS, "kTurnsUpToRounds = 1;", "kTurnsUpToRounds = 1 << 30;")],
     "bwd_cp_async": [BWD_CP_ASYNC],
+    "bwd_keys_128": [("kernels/bwdwg/bwdwg.cu", "kKeyGroups = 1;", "kKeyGroups = DP == 256 ? 1 : 2;")],
+    "bwd_keys_128_cp_async": [("kernels/bwdwg/bwdwg.cu", "kKeyGroups = 1;", "kKeyGroups = DP == 256 ? 1 : 2;"), BWD_CP_ASYNC],
     "bwd_early_issue": [("kernels/bwdmma/kernels.cuh", "kBwdEarlyIssue = false;", "kBwdEarlyIssue = true;"), BWD_CP_ASYNC],
     "bwd_stats_from_shared": [("kernels/bwdmma/kernels.cuh", "kBwdStatsInRegs = true;", "kBwdStatsInRegs = false;")],
     "no_l2_sections": [(WS, "kL2SectionBytes = int64_t(24) << 20;", "kL2SectionBytes = 0;")],

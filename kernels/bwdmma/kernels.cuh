@@ -42,7 +42,8 @@ constexpr int kThreads = 32 * kWarps;
 template <class Pol> struct BwdSmem {
     static constexpr int kSlack = Pol::kAlign > 16 ? Pol::kAlign : 0;
     static constexpr int kDq = 6 * Pol::kTileHalves * 2 + kSlack;                           // Q, dO, 2 x (K, V)
-    static constexpr int kDkdv = 6 * Pol::kTileHalves * 2 + 2 * 2 * kTile * 4 + kSlack;   // K, V, 2 x (Q, dO, lse2, delta)
+    // K and V (Pol::kKeyGroups tiles each), 2 x (Q, dO, lse2, delta)
+    static constexpr int kDkdv = (2 * Pol::kKeyGroups + 4) * Pol::kTileHalves * 2 + 2 * 2 * kTile * 4 + kSlack;
 };
 
 // Fragment coordinates of an m16n8 accumulator: element e of n-tile n sits in row
@@ -282,24 +283,29 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
 }
 
 // Kernel 2: one CTA per (key tile, batch, kv head); the tiles with the most queries start first.
+// A key tile is Pol::kKeyGroups groups of 64 keys, one a warpgroup (kThreads threads), which share
+// each step's Q, dO, lse2 and delta.
 template <class Pol>
-__global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdParams p, const __grid_constant__ typename Pol::Maps maps) {
+__global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kernel(const GqaBwdParams p, const __grid_constant__ typename Pol::Maps maps) {
     if (*p.nonfinite) return;   // the row-wise kernels take this call
     constexpr bool kBf16 = Pol::kBf16;
-    constexpr int DP = Pol::DP, H = Pol::kTileHalves, OUT = Pol::kOut;
+    constexpr int DP = Pol::DP, H = Pol::kTileHalves, OUT = Pol::kOut, KG = Pol::kKeyGroups;
     const int col0 = OUT == DP ? 0 : int(blockIdx.y) * OUT;   // this CTA's dK and dV columns
     extern __shared__ __align__(16) uint16_t smem_raw[];
     uint16_t* smem = Pol::aligned(smem_raw);
-    uint16_t *k_tile = smem, *v_tile = smem + H;
-    auto q_tile = [&](int st) { return smem + (2 + 2 * st) * H; };
-    auto do_tile = [&](int st) { return smem + (3 + 2 * st) * H; };
-    auto lse2_s = [&](int st) { return reinterpret_cast<float*>(smem + 6 * H) + st * 2 * kTile; };
+    uint16_t *k_tiles = smem, *v_tiles = smem + KG * H;   // a 64-key tile per group
+    auto q_tile = [&](int st) { return smem + (2 * KG + 2 * st) * H; };
+    auto do_tile = [&](int st) { return smem + (2 * KG + 1 + 2 * st) * H; };
+    auto lse2_s = [&](int st) { return reinterpret_cast<float*>(smem + (2 * KG + 4) * H) + st * 2 * kTile; };
     auto delta_s = [&](int st) { return lse2_s(st) + kTile; };
 
     const BwdCta cta = bwd_cta(p.B, p.Hkv);
     const int64_t b = cta.b;
-    const int kv_head = cta.head, warp = threadIdx.x / 32, lane = threadIdx.x % 32, tiles = (p.T + kTile - 1) / kTile;
-    const int kt = cta.tile, k0 = kt * kTile;
+    const int kv_head = cta.head, lane = threadIdx.x % 32, tiles = (p.T + kTile - 1) / kTile;
+    const int wg = int(threadIdx.x) / kThreads, warp = int(threadIdx.x) % kThreads / 32;   // this thread's key group, warp in it
+    const bool loader = int(threadIdx.x) < kThreads;   // the first group's threads make the cp.async copies
+    const int kt = cta.tile, k0 = kt * kTile * KG, kw0 = k0 + kTile * wg;   // the CTA's first key, this group's
+    uint16_t *k_tile = k_tiles + wg * H, *v_tile = v_tiles + wg * H;
     const bool bf16 = kBf16;
     // Pol::kTma: a stage's Q, dO, lse2 and delta come by TMA, issued by thread 0, and land on the
     // stage's barrier (phase k: the stage's k-th step).
@@ -310,15 +316,18 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdPara
         __syncthreads();
     }
 
-    Pol::load(k_tile, static_cast<const uint16_t*>(p.k), b, k0, kv_head, p.Hkv, p.T);
-    Pol::load(v_tile, static_cast<const uint16_t*>(p.v), b, k0, kv_head, p.Hkv, p.T);
+    if (loader)
+        for (int g = 0; g < KG; ++g) {
+            Pol::load(k_tiles + g * H, static_cast<const uint16_t*>(p.k), b, k0 + g * kTile, kv_head, p.Hkv, p.T);
+            Pol::load(v_tiles + g * H, static_cast<const uint16_t*>(p.v), b, k0 + g * kTile, kv_head, p.Hkv, p.T);
+        }
     cp_async_commit();
 
-    // Step i is query tile kt + i / G of head kv_head * G + i % G: its Q, dO, lse2 and delta go to
+    // Step i is query tile kt KG + i / G of head kv_head * G + i % G: its Q, dO, lse2 and delta go to
     // stage i % 2 while step i - 1 computes from the other stage. The steps are loaded in order, so
     // the next one's tile and head are counted on (no division a step).
-    const int steps = (tiles - kt) * p.group;
-    int load_qt = kt, load_g = 0;   // the next step to load: its query tile, and its head in the group
+    const int steps = (tiles - kt * KG) * p.group;
+    int load_qt = kt * KG, load_g = 0;   // the next step to load: its query tile, and its head in the group
     auto load_next = [&](int st) {
         const int q0 = load_qt * kTile, h = kv_head * p.group + load_g;
         if (++load_g == p.group) load_g = 0, ++load_qt;
@@ -327,7 +336,7 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdPara
             if (threadIdx.x == 0)
                 Pol::load_step(maps, q_tile(st), do_tile(st), lse2_s(st), delta_s(st), p.lse2 + stat, p.delta + stat,
                                &landed_bar[st], b, q0, h);
-        } else {
+        } else if (loader) {
             Pol::load(q_tile(st), static_cast<const uint16_t*>(p.q), b, q0, h, p.Hq, p.T);
             Pol::load(do_tile(st), static_cast<const uint16_t*>(p.dout), b, q0, h, p.Hq, p.T);
             if (threadIdx.x < kTile / 4) {
@@ -340,7 +349,7 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdPara
     cp_async_commit();
 
     float dk[1][OUT / 8][4] = {}, dv[1][OUT / 8][4] = {};
-    int step_qt = kt, step_g = 0;   // step i's query tile and head in the group, counted on
+    int step_qt = kt * KG, step_g = 0;   // step i's query tile and head in the group, counted on
     for (int i = 0; i < steps; ++i) {
         const int st = i & 1, q0 = step_qt * kTile;
         if (++step_g == p.group) step_g = 0, ++step_qt;
@@ -370,9 +379,10 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdPara
             if (i + 1 < steps) load_next(st ^ 1);
             cp_async_commit();    // (empty on the last step)
         }
-        // Masks only where a query can precede a key (the diagonal tile) or a row or key is past T.
-        const bool edge = q0 == k0 || q0 + kTile > p.T;
-        const int j_base = k0 + 16 * warp;
+        // Masks only where a query can precede a key (the group's diagonal tile, and for a later
+        // group the tiles before it) or a row or key is past T.
+        const bool edge = q0 <= kw0 || q0 + kTile > p.T;
+        const int j_base = kw0 + 16 * warp;
         float column[kTile / 8][2] = {};
         auto stat_of = [&](const float* stat, int n, int e) { return kBwdStatsInRegs ? column[n][e & 1] : stat[frag_col(lane, n, e)]; };
         if (kBwdStatsInRegs) read_columns(column, lse2_t, lane);
@@ -418,7 +428,7 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdPara
 
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        const int j = k0 + 16 * warp + frag_row(lane, 2 * half);
+        const int j = kw0 + 16 * warp + frag_row(lane, 2 * half);
         if (j >= p.T) continue;
         const int64_t row = (b * p.T + j) * p.Hkv + kv_head;
         uint16_t* dk_out = static_cast<uint16_t*>(p.dk) + row * DP + col0;
@@ -438,8 +448,9 @@ cudaError_t bwd_launch(const GqaBwdParams& p, cudaStream_t stream, int dev) {
     if (p.dtype != (Pol::kBf16 ? kGqaBFloat16 : kGqaFloat16) || p.D != Pol::DP) return cudaErrorInvalidValue;
     static bool raised_dq[kMaxDevices] = {}, raised_dkdv[kMaxDevices] = {};
     constexpr size_t dq_smem = BwdSmem<Pol>::kDq, dkdv_smem = BwdSmem<Pol>::kDkdv;
-    const int64_t tiles = (p.T + kTile - 1) / kTile;
-    const int64_t dq_ctas = tiles * p.B * p.Hq, dkdv_ctas = tiles * p.B * p.Hkv;
+    static_assert(dq_smem <= 227 * 1024 && dkdv_smem <= 227 * 1024, "each kernel's tiles fit one CTA's shared memory");
+    const int64_t tiles = (p.T + kTile - 1) / kTile, key_tiles = (p.T + kTile * Pol::kKeyGroups - 1) / (kTile * Pol::kKeyGroups);
+    const int64_t dq_ctas = tiles * p.B * p.Hq, dkdv_ctas = key_tiles * p.B * p.Hkv;
     if (dq_ctas > 0x7fffffff || dkdv_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
     cudaError_t err = raise_smem_limit(gqa_bwd_dq_kernel<Pol>, dq_smem, dev, raised_dq);
     if (err != cudaSuccess) return err;
@@ -452,7 +463,7 @@ cudaError_t bwd_launch(const GqaBwdParams& p, cudaStream_t stream, int dev) {
     gqa_bwd_dq_kernel<Pol><<<dim3(unsigned(dq_ctas), kHalves), kThreads, dq_smem, stream>>>(p, maps);
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
-    gqa_bwd_dkdv_kernel<Pol><<<dim3(unsigned(dkdv_ctas), kHalves), kThreads, dkdv_smem, stream>>>(p, maps);
+    gqa_bwd_dkdv_kernel<Pol><<<dim3(unsigned(dkdv_ctas), kHalves), kThreads * Pol::kKeyGroups, dkdv_smem, stream>>>(p, maps);
     return cudaGetLastError();
 }
 

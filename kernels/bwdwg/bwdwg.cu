@@ -40,6 +40,10 @@ template <bool kBf16_, int DP_> struct WgProducts {
     // tensor maps (dims D, heads, T, B; boxes of 64 columns x 1 head x 64 steps, zeros past T),
     // lse2 and delta as two bulk copies.
     static constexpr bool kTma = true;
+    // The dK/dV kernel's warpgroups of 64 keys a CTA, sharing each step's copies: 2 halves the L2
+    // traffic of Q and dO per product (one CTA of 8 warps an SM instead of two of 4; bench/NOTES.md
+    // v64, variant bwd_keys_128).
+    static constexpr int kKeyGroups = 1;
     struct Maps {
         CUtensorMap q, dout, k, v;
     };
