@@ -41,7 +41,7 @@ constexpr int kThreads = 32 * kWarps;
 // Pol::kAlign: the tiles' alignment, whose slack is added).
 template <class Pol> struct BwdSmem {
     static constexpr int kSlack = Pol::kAlign > 16 ? Pol::kAlign : 0;
-    static constexpr int kDq = 6 * Pol::kTileHalves * 2 + kSlack;                           // Q, dO, 2 x (K, V)
+    static constexpr int kDq = (2 * Pol::kRowGroups + 4) * Pol::kTileHalves * 2 + kSlack;   // Q, dO (kRowGroups tiles each), 2 x (K, V)
     // K and V (Pol::kKeyGroups tiles each), 2 x (Q, dO, lse2, delta)
     static constexpr int kDkdv = (2 * Pol::kKeyGroups + 4) * Pol::kTileHalves * 2 + 2 * 2 * kTile * 4 + kSlack;
 };
@@ -75,26 +75,33 @@ __device__ __forceinline__ BwdCta bwd_cta(int B, int heads) {
     return {bh / heads, int(bh % heads), int(blockIdx.x / (int64_t(B) * heads))};
 }
 
-// Kernel 1: one CTA per (query tile, batch, head); the tiles with the most keys start first.
+// Kernel 1: one CTA per (query tile, batch, head); the tiles with the most keys start first. A
+// query tile is Pol::kRowGroups groups of 64 rows, one a warpgroup (kThreads threads), which share
+// each key tile's copies.
 // kStats: pass 1 and delta only (lse2 and delta for a kernel that computes dQ itself).
 template <class Pol, bool kStats = false>
-__global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams p, const __grid_constant__ typename Pol::Maps maps) {
+__global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(const GqaBwdParams p, const __grid_constant__ typename Pol::Maps maps) {
     constexpr bool kBf16 = Pol::kBf16;
-    constexpr int DP = Pol::DP, H = Pol::kTileHalves, OUT = Pol::kOut;
+    constexpr int DP = Pol::DP, H = Pol::kTileHalves, OUT = Pol::kOut, RG = Pol::kRowGroups;
     const int col0 = OUT == DP ? 0 : int(blockIdx.y) * OUT;   // this CTA's dQ columns (OUT < DP: a grid of DP / OUT)
     extern __shared__ __align__(16) uint16_t smem_raw[];
     uint16_t* smem = Pol::aligned(smem_raw);
-    // Q, dO, then two stages of (K, V): pass 1 alternates K between the first stage's two tiles,
-    // pass 2 alternates whole stages.
-    uint16_t *q_tile = smem, *do_tile = smem + H;
-    auto k_of = [&](int st) { return smem + (2 + 2 * st) * H; };
-    auto v_of = [&](int st) { return smem + (3 + 2 * st) * H; };
+    // Q and dO (a tile per group), then two stages of (K, V): pass 1 alternates K between the first
+    // stage's two tiles, pass 2 alternates whole stages.
+    uint16_t *q_tiles = smem, *do_tiles = smem + RG * H;
+    auto k_of = [&](int st) { return smem + (2 * RG + 2 * st) * H; };
+    auto v_of = [&](int st) { return smem + (2 * RG + 1 + 2 * st) * H; };
 
     if (*p.nonfinite) return;   // the row-wise kernels take this call
     const BwdCta cta = bwd_cta(p.B, p.Hq);
     const int64_t b = cta.b;
-    const int h = cta.head, kv_head = h / p.group, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int qt = (p.T + kTile - 1) / kTile - 1 - cta.tile, q0 = qt * kTile;
+    const int h = cta.head, kv_head = h / p.group, lane = threadIdx.x % 32;
+    const int wg = int(threadIdx.x) / kThreads, warp = int(threadIdx.x) % kThreads / 32;   // this thread's row group, warp in it
+    const bool loader = int(threadIdx.x) < kThreads;   // the first group's threads make the cp.async copies
+    const int tiles = (p.T + kTile - 1) / kTile, ctiles = (tiles + RG - 1) / RG;
+    const int qt_cta = (ctiles - 1 - cta.tile) * RG, kt_last = min(qt_cta + RG, tiles) - 1;   // the CTA's first query tile, last key tile
+    const int qt = qt_cta + wg, q0 = qt * kTile;   // this group's query tile (past the last one: rows past T)
+    uint16_t *q_tile = q_tiles + wg * H, *do_tile = do_tiles + wg * H;
     const bool bf16 = kBf16;
     const uint16_t *k_in = static_cast<const uint16_t*>(p.k), *v_in = static_cast<const uint16_t*>(p.v);
     // Pol::kTma: pass 2's K and V tiles come by TMA, issued by thread 0, and land on their stage's
@@ -109,14 +116,17 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
     auto load_kv_tile = [&](int kt, int st) {
         if constexpr (kTmaKv) {
             if (threadIdx.x == 0) Pol::load_kv(maps, k_of(st), v_of(st), &landed_bar[st], b, kt * kTile, kv_head);
-        } else {
+        } else if (loader) {
             Pol::load(k_of(st), k_in, b, kt * kTile, kv_head, p.Hkv, p.T);
             Pol::load(v_of(st), v_in, b, kt * kTile, kv_head, p.Hkv, p.T);
         }
     };
 
-    Pol::load(q_tile, static_cast<const uint16_t*>(p.q), b, q0, h, p.Hq, p.T);
-    Pol::load(do_tile, static_cast<const uint16_t*>(p.dout), b, q0, h, p.Hq, p.T);
+    if (loader)
+        for (int g = 0; g < RG; ++g) {
+            Pol::load(q_tiles + g * H, static_cast<const uint16_t*>(p.q), b, (qt_cta + g) * kTile, h, p.Hq, p.T);
+            Pol::load(do_tiles + g * H, static_cast<const uint16_t*>(p.dout), b, (qt_cta + g) * kTile, h, p.Hq, p.T);
+        }
     cp_async_commit();
     // Pass 2's first K and V (stage 1, which pass 1 leaves alone), landed by pass 1's first wait.
     if (!kStats) load_kv_tile(0, 1);
@@ -152,9 +162,10 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
         }
     }
     kept = __syncthreads_and(kept);
-    const int pass1_last = kept ? -1 : qt;
+    const int pass1_last = kept ? -1 : kt_last;
 
-    // Only the diagonal tile (kt == qt, which is also the one holding keys past T) masks.
+    // Only the group's diagonal tile (kt == qt, which is also the one holding keys past T) and, for
+    // an earlier group, the CTA's tiles after it (every key masked) mask.
     auto masked = [&](int kt, int n, int e) {
         const int t = q0 + 16 * warp + frag_row(lane, e), j = kt * kTile + frag_col(lane, n, e);
         return j > t || j >= p.T;
@@ -163,10 +174,10 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
     // Pass 1: the rows' maximum and sum, online over the key tiles. K tile kt lands in stage 0's
     // K (kt even) or V tile (kt odd) while the tile before it is in use.
     auto k_stage = [&](int kt) { return kt & 1 ? v_of(0) : k_of(0); };
-    if (!kept) Pol::load(k_stage(0), k_in, b, 0, kv_head, p.Hkv, p.T);   // (pass 2 refills stage 0 at once)
+    if (!kept && loader) Pol::load(k_stage(0), k_in, b, 0, kv_head, p.Hkv, p.T);   // (pass 2 refills stage 0 at once)
     cp_async_commit();
     for (int kt = 0; kt <= pass1_last; ++kt) {
-        if (kt < qt) Pol::load(k_stage(kt + 1), k_in, b, (kt + 1) * kTile, kv_head, p.Hkv, p.T);
+        if (kt < kt_last && loader) Pol::load(k_stage(kt + 1), k_in, b, (kt + 1) * kTile, kv_head, p.Hkv, p.T);
         cp_async_commit();    // (empty on the last tile)
         cp_async_wait<1>();   // everything but the tile just issued has landed
         Pol::landed();
@@ -175,7 +186,7 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
         Pol::qk_issue(s, q_tile, k_stage(kt), warp, lane);
         Pol::template wait<0>();
         Pol::settle(s);
-        const bool edge = kt == qt;
+        const bool edge = kt >= qt;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             float tile_max = -INFINITY;
@@ -208,11 +219,11 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
     // Pass 2: dQ. Key tile kt sits in stage (kt + 1) % 2; the next one loads during this one.
     float dq[1][OUT / 8][4] = {};
     auto load_kv = [&](int kt) {   // key tile kt + 1 into the other stage
-        if (kt < qt) load_kv_tile(kt + 1, ((kt + 1) & 1) ^ 1);
+        if (kt < kt_last) load_kv_tile(kt + 1, ((kt + 1) & 1) ^ 1);
         cp_async_commit();    // (empty on the last tile)
     };
     static_assert(!(Pol::kTma && kBwdEarlyIssue), "early issue reloads a stage by cp.async only");
-    for (int kt = 0; kt <= (kStats ? -1 : qt); ++kt) {
+    for (int kt = 0; kt <= (kStats ? -1 : kt_last); ++kt) {
         const int st = (kt + 1) & 1;
         if (!kBwdEarlyIssue && !kTmaKv) load_kv(kt);
         cp_async_wait<kBwdEarlyIssue || kTmaKv ? 0 : 1>();   // key tile kt has landed (kTma: Q and dO)
@@ -241,7 +252,7 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
         for (int n = 0; n < kTile / 8; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[0][n][e] = fast_exp2(s[0][n][e] * scale_log2 - lse2[e >> 1]);   // P
-        if (kt == qt) {
+        if (kt >= qt) {
 #pragma unroll
             for (int n = 0; n < kTile / 8; ++n)
 #pragma unroll
@@ -268,7 +279,7 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int t = q0 + 16 * warp + frag_row(lane, 2 * half);
-        if ((lane & 3) == 0 && col0 == 0) {   // every row of the tile, zeros past T
+        if ((lane & 3) == 0 && col0 == 0 && qt < tiles) {   // every row of the tile, zeros past T
             const int64_t stat = bwd_stat_row(b, h, t, p);
             p.lse2[stat] = t < p.T ? lse2[half] : 0.f;
             p.delta[stat] = t < p.T ? delta[half] : 0.f;
@@ -450,7 +461,7 @@ cudaError_t bwd_launch(const GqaBwdParams& p, cudaStream_t stream, int dev) {
     constexpr size_t dq_smem = BwdSmem<Pol>::kDq, dkdv_smem = BwdSmem<Pol>::kDkdv;
     static_assert(dq_smem <= 227 * 1024 && dkdv_smem <= 227 * 1024, "each kernel's tiles fit one CTA's shared memory");
     const int64_t tiles = (p.T + kTile - 1) / kTile, key_tiles = (p.T + kTile * Pol::kKeyGroups - 1) / (kTile * Pol::kKeyGroups);
-    const int64_t dq_ctas = tiles * p.B * p.Hq, dkdv_ctas = key_tiles * p.B * p.Hkv;
+    const int64_t dq_ctas = (tiles + Pol::kRowGroups - 1) / Pol::kRowGroups * p.B * p.Hq, dkdv_ctas = key_tiles * p.B * p.Hkv;
     if (dq_ctas > 0x7fffffff || dkdv_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
     cudaError_t err = raise_smem_limit(gqa_bwd_dq_kernel<Pol>, dq_smem, dev, raised_dq);
     if (err != cudaSuccess) return err;
@@ -460,7 +471,7 @@ cudaError_t bwd_launch(const GqaBwdParams& p, cudaStream_t stream, int dev) {
     typename Pol::Maps maps;
     err = Pol::make_maps(p, &maps);
     if (err != cudaSuccess) return err;
-    gqa_bwd_dq_kernel<Pol><<<dim3(unsigned(dq_ctas), kHalves), kThreads, dq_smem, stream>>>(p, maps);
+    gqa_bwd_dq_kernel<Pol><<<dim3(unsigned(dq_ctas), kHalves), kThreads * Pol::kRowGroups, dq_smem, stream>>>(p, maps);
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
     gqa_bwd_dkdv_kernel<Pol><<<dim3(unsigned(dkdv_ctas), kHalves), kThreads * Pol::kKeyGroups, dkdv_smem, stream>>>(p, maps);

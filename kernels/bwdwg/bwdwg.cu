@@ -44,6 +44,9 @@ template <bool kBf16_, int DP_> struct WgProducts {
     // traffic of Q and dO per product (one CTA of 8 warps an SM instead of two of 4; bench/NOTES.md
     // v64, variant bwd_keys_128).
     static constexpr int kKeyGroups = 1;
+    // The dQ kernel's warpgroups of 64 query rows a CTA, sharing each key tile's copies (variant
+    // bwd_rows_128; bench/NOTES.md v65).
+    static constexpr int kRowGroups = 1;
     struct Maps {
         CUtensorMap q, dout, k, v;
     };

@@ -378,14 +378,14 @@ cudaError_t fused_launch(const GqaBwdParams& p, cudaStream_t stream, int dev) {
     if (p.dtype != (kBf16 ? kGqaBFloat16 : kGqaFloat16) || p.D != DP || p.dq_accum == nullptr) return cudaErrorInvalidValue;
     static bool raised_stats[kMaxDevices] = {}, raised_fused[kMaxDevices] = {};
     const int64_t q_tiles = (p.T + kTile - 1) / kTile, key_tiles = (p.T + Tr::kKeys - 1) / Tr::kKeys;
-    const int64_t stats_ctas = q_tiles * p.B * p.Hq, fused_ctas = key_tiles * p.B * p.Hkv;
+    const int64_t stats_ctas = (q_tiles + Pol::kRowGroups - 1) / Pol::kRowGroups * p.B * p.Hq, fused_ctas = key_tiles * p.B * p.Hkv;
     if (stats_ctas > 0x7fffffff || fused_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
     cudaError_t err = raise_smem_limit(gqa_bwd_dq_kernel<Pol, true>, BwdSmem<Pol>::kDq, dev, raised_stats);
     if (err == cudaSuccess) err = raise_smem_limit(gqa_bwd_fused_kernel<kBf16, DP>, Tr::kSmem, dev, raised_fused);
     if (err == cudaSuccess)
         err = cudaMemsetAsync(p.dq_accum, 0, gqa_fused_dq_floats(p) * sizeof(float), stream);
     if (err != cudaSuccess) return err;
-    gqa_bwd_dq_kernel<Pol, true><<<unsigned(stats_ctas), kThreads, BwdSmem<Pol>::kDq, stream>>>(p, typename Pol::Maps{});   // (no TMA in pass 1)
+    gqa_bwd_dq_kernel<Pol, true><<<unsigned(stats_ctas), kThreads * Pol::kRowGroups, BwdSmem<Pol>::kDq, stream>>>(p, typename Pol::Maps{});   // (no TMA in pass 1)
     gqa_bwd_fused_kernel<kBf16, DP><<<unsigned(fused_ctas), Tr::kThreads, Tr::kSmem, stream>>>(p);
     const int64_t quads = int64_t(p.B) * p.Hq * ((p.T + 63) / 64) * 16 * DP;
     const int64_t blocks = (quads + 255) / 256 < 4096 ? (quads + 255) / 256 : 4096;
