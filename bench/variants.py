@@ -43,6 +43,7 @@ VARIANTS = {
     "producer_and_scan_sleep": [(WS, "kProducerSleepNs = 0, kScanSleepNs = 0;", "kProducerSleepNs = 1000, kScanSleepNs = 1000;")],
     "fma_exp_quarter_at_64": [(WS, "kFmaExpTiles = 0;", "kFmaExpTiles = DP == 64 ? 4 : 0;")],
     "fma_exp_eighth_at_64": [(WS, "kFmaExpTiles = 0;", "kFmaExpTiles = DP == 64 ? 2 : 0;")],
+    "rescale_slack_8": [(WS, "kRescaleSlack = 0;", "kRescaleSlack = 8;")],
     "turns_always": [(WS, "kTurnsUpToRounds = 1;", "kTurnsUpToRounds = 1 << 30;")],
     "bwd_cp_async": [BWD_CP_ASYNC],
     "bwd_keys_128": [("kernels/bwdwg/bwdwg.cu", "kKeyGroups = 1;", "kKeyGroups = DP == 256 ? 1 : 2;")],

@@ -58,6 +58,10 @@ template <int DP> struct WsTraits {
     // long a try (mbar_wait_idle; 0: spin). In the ncu profile of (1, 8192, 32, 8, 128) each kind
     // spun about 10 million tries.
     static constexpr uint32_t kProducerSleepNs = 0, kScanSleepNs = 0;
+    // A row's max moves only when a tile's exceeds it by more than this (log2 units; 0: always):
+    // then O's rescale, 4 DP / 8 multiplies a thread, runs only on the tiles that move one of the
+    // warp's rows (softmax_row's kSlack; P stays below 2^kRescaleSlack).
+    static constexpr int kRescaleSlack = 0;
     // S of tile n + 1 beside P V of tile n, up to width 128. At width 256 (O: 128 registers) the
     // overlap spills around the exact non-finite step and measured 2% slower (NOTES v46).
     static constexpr bool kOverlap = DP <= 128;
@@ -292,11 +296,14 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
                         if (key0 + j * 8 + 2 * tig + (e & 1) > row_t[e >> 1]) s[j][e] = -INFINITY;
             }
 #pragma unroll
-            for (int r = 0; r < 2; ++r) f[r] = softmax_row<kNTiles, false, Tr::kFmaExpTiles>(s, 2 * r, m[r], l[r], scale_log2);
+            for (int r = 0; r < 2; ++r)
+                f[r] = softmax_row<kNTiles, false, Tr::kFmaExpTiles, Tr::kRescaleSlack>(s, 2 * r, m[r], l[r], scale_log2);
         };
         auto scalar_pv_nonfinite = [&](int key0) { add_nonfinite_pv(o, s, row_t, key0, head.v, p.v_stride_t, T, p.D, bf16); };
         auto issue_qk = [&](int n) { qk_wgmma<bf16, DP, BM, TK>(s, sQ, wg * 64, sK((it + n) % S)); };
         auto rescale_o = [&]() {
+            // (kRescaleSlack: skipped by the whole warp when no row of it moved its max)
+            if (Tr::kRescaleSlack > 0 && !__any_sync(0xffffffffu, f[0] != 1.f || f[1] != 1.f)) return;
 #pragma unroll
             for (int d = 0; d < kDTiles; ++d) {
                 o[d][0] *= f[0], o[d][1] *= f[0];
