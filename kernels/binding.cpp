@@ -278,8 +278,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward_cuda(
     at::Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options());
     at::Tensor dv = at::empty(v.sizes(), v.options());
     if (q.numel() == 0) return {dq, dk.zero_(), dv.zero_()};
-    const int64_t rows = q.size(0) * q.size(1) * q.size(2);
     GqaBwdParams p = backward_params_of(q, k);
+    const int64_t rows = gqa_bwd_stat_floats(p.B, p.T, p.Hq);
     const int64_t extra = gqa_backward_workspace_floats(p);
     // lse2, delta, the flag, then (16-byte aligned: 2 rows + 4 floats in, rounded up to 4) the
     // unit's scratch, its counters last.

@@ -44,7 +44,7 @@ struct GqaParams {
 constexpr bool kGqaFusedBackward = false;
 
 // The backward's inputs and outputs: every tensor contiguous, q, o, dout and dq (B, T, Hq, D), k, v,
-// dk and dv (B, T, Hkv, D), in one dtype; lse2 and delta are scratch of B * T * Hq floats each.
+// dk and dv (B, T, Hkv, D), in one dtype; lse2 and delta are scratch of gqa_bwd_stat_floats each.
 struct GqaBwdParams {
     const void* q;
     const void* k;
@@ -126,6 +126,11 @@ int gqa_empty_launch(void* out, void* stream);
 int gqa_backward(const GqaBwdParams& params, void* stream);   // dq, dk and dv; 0 or a cudaError_t
 // Which backward a call runs: "bwdmma/<dtype>/d<width>" (tensor cores) or "backward/<dtype>" (row-wise).
 const char* gqa_backward_plan(const GqaBwdParams& params);
+// Floats of lse2 (and of delta) in the backward's scratch. The tensor-core kernels keep them as
+// [B, Hq, T64], T rounded up to 64 steps and the rows past T zero, so that a query tile's 64 values
+// are one 16-byte-aligned run of 256 bytes; the row-wise kernels use the first B * T * Hq of them
+// as [B, T, Hq].
+inline int64_t gqa_bwd_stat_floats(int B, int T, int Hq) { return int64_t(B) * Hq * ((int64_t(T) + 63) / 64 * 64); }
 // Floats of scratch the backward needs beyond lse2, delta and the flag (0: none).
 int64_t gqa_backward_workspace_floats(const GqaBwdParams& params);
 // The fused kernel's part of it: dQ summed in fp32 in blocks of 64 query rows x D per (batch,

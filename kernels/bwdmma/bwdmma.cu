@@ -27,6 +27,11 @@ template <bool kBf16_, int DP_> struct MmaProducts {
         }
     }
     static __device__ __forceinline__ void landed() {}
+    // Every copy by the CTA's threads (cp.async): no tensor maps.
+    static constexpr bool kTma = false;
+    static constexpr int kKeyGroups = 1, kRowGroups = 1;   // 64 keys a dK/dV CTA, 64 rows a dQ CTA
+    struct Maps {};
+    static cudaError_t make_maps(const GqaBwdParams&, Maps*) { return cudaSuccess; }
     // s = A B^T for the warp's 16 rows of tile A and the 64 rows of tile B (synchronous: the
     // wgmma policy's issue, wait and settle are one step here).
     static __device__ __forceinline__ void qk_issue(float (&s)[1][kTile / 8][4], const uint16_t* a, const uint16_t* b,

@@ -41,8 +41,9 @@ constexpr int kThreads = 32 * kWarps;
 // Pol::kAlign: the tiles' alignment, whose slack is added).
 template <class Pol> struct BwdSmem {
     static constexpr int kSlack = Pol::kAlign > 16 ? Pol::kAlign : 0;
-    static constexpr int kDq = 6 * Pol::kTileHalves * 2 + kSlack;                           // Q, dO, 2 x (K, V)
-    static constexpr int kDkdv = 6 * Pol::kTileHalves * 2 + 2 * 2 * kTile * 4 + kSlack;   // K, V, 2 x (Q, dO, lse2, delta)
+    static constexpr int kDq = (2 * Pol::kRowGroups + 4) * Pol::kTileHalves * 2 + kSlack;   // Q, dO (kRowGroups tiles each), 2 x (K, V)
+    // K and V (Pol::kKeyGroups tiles each), 2 x (Q, dO, lse2, delta)
+    static constexpr int kDkdv = (2 * Pol::kKeyGroups + 4) * Pol::kTileHalves * 2 + 2 * 2 * kTile * 4 + kSlack;
 };
 
 // Fragment coordinates of an m16n8 accumulator: element e of n-tile n sits in row
@@ -58,6 +59,12 @@ __device__ __forceinline__ void read_columns(float (&column)[kTile / 8][2], cons
         for (int e = 0; e < 2; ++e) column[n][e] = stat[frag_col(lane, n, e)];
 }
 
+// Where query row t of (batch b, head h) keeps its lse2 and delta: [B, Hq, T64]
+// (gqa_bwd_stat_floats), a query tile's 64 values in one contiguous run, rows past T zero.
+__device__ __forceinline__ int64_t bwd_stat_row(int64_t b, int h, int t, const GqaBwdParams& p) {
+    return (b * p.Hq + h) * ((int64_t(p.T) + 63) / 64 * 64) + t;
+}
+
 // A CTA's batch, head and tile index in a grid of tiles x B x `heads`, heads fastest.
 struct BwdCta {
     int64_t b;
@@ -68,37 +75,61 @@ __device__ __forceinline__ BwdCta bwd_cta(int B, int heads) {
     return {bh / heads, int(bh % heads), int(blockIdx.x / (int64_t(B) * heads))};
 }
 
-// Kernel 1: one CTA per (query tile, batch, head); the tiles with the most keys start first.
+// Kernel 1: one CTA per (query tile, batch, head); the tiles with the most keys start first. A
+// query tile is Pol::kRowGroups groups of 64 rows, one a warpgroup (kThreads threads), which share
+// each key tile's copies.
 // kStats: pass 1 and delta only (lse2 and delta for a kernel that computes dQ itself).
 template <class Pol, bool kStats = false>
-__global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams p) {
+__global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(const GqaBwdParams p, const __grid_constant__ typename Pol::Maps maps) {
     constexpr bool kBf16 = Pol::kBf16;
-    constexpr int DP = Pol::DP, H = Pol::kTileHalves, OUT = Pol::kOut;
+    constexpr int DP = Pol::DP, H = Pol::kTileHalves, OUT = Pol::kOut, RG = Pol::kRowGroups;
     const int col0 = OUT == DP ? 0 : int(blockIdx.y) * OUT;   // this CTA's dQ columns (OUT < DP: a grid of DP / OUT)
     extern __shared__ __align__(16) uint16_t smem_raw[];
     uint16_t* smem = Pol::aligned(smem_raw);
-    // Q, dO, then two stages of (K, V): pass 1 alternates K between the first stage's two tiles,
-    // pass 2 alternates whole stages.
-    uint16_t *q_tile = smem, *do_tile = smem + H;
-    auto k_of = [&](int st) { return smem + (2 + 2 * st) * H; };
-    auto v_of = [&](int st) { return smem + (3 + 2 * st) * H; };
+    // Q and dO (a tile per group), then two stages of (K, V): pass 1 alternates K between the first
+    // stage's two tiles, pass 2 alternates whole stages.
+    uint16_t *q_tiles = smem, *do_tiles = smem + RG * H;
+    auto k_of = [&](int st) { return smem + (2 * RG + 2 * st) * H; };
+    auto v_of = [&](int st) { return smem + (2 * RG + 1 + 2 * st) * H; };
 
     if (*p.nonfinite) return;   // the row-wise kernels take this call
     const BwdCta cta = bwd_cta(p.B, p.Hq);
     const int64_t b = cta.b;
-    const int h = cta.head, kv_head = h / p.group, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int qt = (p.T + kTile - 1) / kTile - 1 - cta.tile, q0 = qt * kTile;
+    const int h = cta.head, kv_head = h / p.group, lane = threadIdx.x % 32;
+    const int wg = int(threadIdx.x) / kThreads, warp = int(threadIdx.x) % kThreads / 32;   // this thread's row group, warp in it
+    const bool loader = int(threadIdx.x) < kThreads;   // the first group's threads make the cp.async copies
+    const int tiles = (p.T + kTile - 1) / kTile, ctiles = (tiles + RG - 1) / RG;
+    const int qt_cta = (ctiles - 1 - cta.tile) * RG, kt_last = min(qt_cta + RG, tiles) - 1;   // the CTA's first query tile, last key tile
+    const int qt = qt_cta + wg, q0 = qt * kTile;   // this group's query tile (past the last one: rows past T)
+    uint16_t *q_tile = q_tiles + wg * H, *do_tile = do_tiles + wg * H;
     const bool bf16 = kBf16;
     const uint16_t *k_in = static_cast<const uint16_t*>(p.k), *v_in = static_cast<const uint16_t*>(p.v);
+    // Pol::kTma: pass 2's K and V tiles come by TMA, issued by thread 0, and land on their stage's
+    // barrier (phase k: the stage's k-th tile).
+    constexpr bool kTmaKv = Pol::kTma && !kStats;
+    __shared__ uint64_t landed_bar[2];
+    if constexpr (kTmaKv) {
+        if (threadIdx.x == 0) Pol::init_landed(landed_bar);
+        __syncthreads();
+    }
+    // Key tile kt of pass 2 into stage st.
+    auto load_kv_tile = [&](int kt, int st) {
+        if constexpr (kTmaKv) {
+            if (threadIdx.x == 0) Pol::load_kv(maps, k_of(st), v_of(st), &landed_bar[st], b, kt * kTile, kv_head);
+        } else if (loader) {
+            Pol::load(k_of(st), k_in, b, kt * kTile, kv_head, p.Hkv, p.T);
+            Pol::load(v_of(st), v_in, b, kt * kTile, kv_head, p.Hkv, p.T);
+        }
+    };
 
-    Pol::load(q_tile, static_cast<const uint16_t*>(p.q), b, q0, h, p.Hq, p.T);
-    Pol::load(do_tile, static_cast<const uint16_t*>(p.dout), b, q0, h, p.Hq, p.T);
+    if (loader)
+        for (int g = 0; g < RG; ++g) {
+            Pol::load(q_tiles + g * H, static_cast<const uint16_t*>(p.q), b, (qt_cta + g) * kTile, h, p.Hq, p.T);
+            Pol::load(do_tiles + g * H, static_cast<const uint16_t*>(p.dout), b, (qt_cta + g) * kTile, h, p.Hq, p.T);
+        }
     cp_async_commit();
     // Pass 2's first K and V (stage 1, which pass 1 leaves alone), landed by pass 1's first wait.
-    if (!kStats) {
-        Pol::load(k_of(1), k_in, b, 0, kv_head, p.Hkv, p.T);
-        Pol::load(v_of(1), v_in, b, 0, kv_head, p.Hkv, p.T);
-    }
+    if (!kStats) load_kv_tile(0, 1);
     cp_async_commit();
 
     // delta of this lane's two rows (every lane of a quad computes the same value).
@@ -131,9 +162,10 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
         }
     }
     kept = __syncthreads_and(kept);
-    const int pass1_last = kept ? -1 : qt;
+    const int pass1_last = kept ? -1 : kt_last;
 
-    // Only the diagonal tile (kt == qt, which is also the one holding keys past T) masks.
+    // Only the group's diagonal tile (kt == qt, which is also the one holding keys past T) and, for
+    // an earlier group, the CTA's tiles after it (every key masked) mask.
     auto masked = [&](int kt, int n, int e) {
         const int t = q0 + 16 * warp + frag_row(lane, e), j = kt * kTile + frag_col(lane, n, e);
         return j > t || j >= p.T;
@@ -142,10 +174,10 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
     // Pass 1: the rows' maximum and sum, online over the key tiles. K tile kt lands in stage 0's
     // K (kt even) or V tile (kt odd) while the tile before it is in use.
     auto k_stage = [&](int kt) { return kt & 1 ? v_of(0) : k_of(0); };
-    if (!kept) Pol::load(k_stage(0), k_in, b, 0, kv_head, p.Hkv, p.T);   // (pass 2 refills stage 0 at once)
+    if (!kept && loader) Pol::load(k_stage(0), k_in, b, 0, kv_head, p.Hkv, p.T);   // (pass 2 refills stage 0 at once)
     cp_async_commit();
     for (int kt = 0; kt <= pass1_last; ++kt) {
-        if (kt < qt) Pol::load(k_stage(kt + 1), k_in, b, (kt + 1) * kTile, kv_head, p.Hkv, p.T);
+        if (kt < kt_last && loader) Pol::load(k_stage(kt + 1), k_in, b, (kt + 1) * kTile, kv_head, p.Hkv, p.T);
         cp_async_commit();    // (empty on the last tile)
         cp_async_wait<1>();   // everything but the tile just issued has landed
         Pol::landed();
@@ -154,7 +186,7 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
         Pol::qk_issue(s, q_tile, k_stage(kt), warp, lane);
         Pol::template wait<0>();
         Pol::settle(s);
-        const bool edge = kt == qt;
+        const bool edge = kt >= qt;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             float tile_max = -INFINITY;
@@ -187,22 +219,23 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
     // Pass 2: dQ. Key tile kt sits in stage (kt + 1) % 2; the next one loads during this one.
     float dq[1][OUT / 8][4] = {};
     auto load_kv = [&](int kt) {   // key tile kt + 1 into the other stage
-        const int st = (kt + 1) & 1;
-        if (kt < qt) {
-            Pol::load(k_of(st ^ 1), k_in, b, (kt + 1) * kTile, kv_head, p.Hkv, p.T);
-            Pol::load(v_of(st ^ 1), v_in, b, (kt + 1) * kTile, kv_head, p.Hkv, p.T);
-        }
+        if (kt < kt_last) load_kv_tile(kt + 1, ((kt + 1) & 1) ^ 1);
         cp_async_commit();    // (empty on the last tile)
     };
-    for (int kt = 0; kt <= (kStats ? -1 : qt); ++kt) {
+    static_assert(!(Pol::kTma && kBwdEarlyIssue), "early issue reloads a stage by cp.async only");
+    for (int kt = 0; kt <= (kStats ? -1 : kt_last); ++kt) {
         const int st = (kt + 1) & 1;
-        if (!kBwdEarlyIssue) load_kv(kt);
-        cp_async_wait<kBwdEarlyIssue ? 0 : 1>();   // key tile kt has landed
+        if (!kBwdEarlyIssue && !kTmaKv) load_kv(kt);
+        cp_async_wait<kBwdEarlyIssue || kTmaKv ? 0 : 1>();   // key tile kt has landed (kTma: Q and dO)
         Pol::landed();
         __syncthreads();
+        if constexpr (kTmaKv) Pol::await_step(&landed_bar[st], uint32_t((kt >> 1) & 1));
         float s[1][kTile / 8][4], dp[1][kTile / 8][4];
         Pol::qk_issue(s, q_tile, k_of(st), warp, lane);
         Pol::qk_issue(dp, do_tile, v_of(st), warp, lane);
+        // kTma: tile kt + 1 goes out under the products (its stage was freed by the barrier that
+        // ended tile kt - 1).
+        if constexpr (kTmaKv) load_kv(kt);
         if (kBwdEarlyIssue) {
             Pol::template wait<2>();   // the last tile's dQ product: its stage is free
             Pol::settle(dq);
@@ -211,12 +244,21 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
         }
         Pol::template wait<1>();   // S; dP still running
         Pol::settle(s);
-        const bool edge = kt == qt;
+        // P for every element, then the masked ones zeroed on the diagonal tile alone (with the
+        // mask in the same expression the compiler tested it, and reloaded scale_log2, for every
+        // element of every tile: bench/NOTES.md v63).
+        const float scale_log2 = p.scale_log2;
 #pragma unroll
         for (int n = 0; n < kTile / 8; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-                s[0][n][e] = edge && masked(kt, n, e) ? 0.f : fast_exp2(s[0][n][e] * p.scale_log2 - lse2[e >> 1]);   // P
+            for (int e = 0; e < 4; ++e) s[0][n][e] = fast_exp2(s[0][n][e] * scale_log2 - lse2[e >> 1]);   // P
+        if (kt >= qt) {
+#pragma unroll
+            for (int n = 0; n < kTile / 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if (masked(kt, n, e)) s[0][n][e] = 0.f;
+        }
         Pol::template wait<0>();
         Pol::settle(dp);
 #pragma unroll
@@ -237,82 +279,109 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dq_kernel(const GqaBwdParams
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int t = q0 + 16 * warp + frag_row(lane, 2 * half);
+        if ((lane & 3) == 0 && col0 == 0 && qt < tiles) {   // every row of the tile, zeros past T
+            const int64_t stat = bwd_stat_row(b, h, t, p);
+            p.lse2[stat] = t < p.T ? lse2[half] : 0.f;
+            p.delta[stat] = t < p.T ? delta[half] : 0.f;
+        }
         if (t >= p.T) continue;
-        const int64_t row = (b * p.T + t) * p.Hq + h;
-        uint16_t* out = static_cast<uint16_t*>(p.dq) + row * DP + col0;
+        uint16_t* out = static_cast<uint16_t*>(p.dq) + ((b * p.T + t) * p.Hq + h) * DP + col0;
 #pragma unroll
         for (int n = 0; n < OUT / 8; ++n)
             if (!kStats)
                 store_pair(out + frag_col(lane, n, 2 * half), dq[0][n][2 * half] * p.scale, dq[0][n][2 * half + 1] * p.scale, bf16);
-        if ((lane & 3) == 0 && col0 == 0) {
-            p.lse2[row] = lse2[half];
-            p.delta[row] = delta[half];
-        }
     }
 }
 
 // Kernel 2: one CTA per (key tile, batch, kv head); the tiles with the most queries start first.
+// A key tile is Pol::kKeyGroups groups of 64 keys, one a warpgroup (kThreads threads), which share
+// each step's Q, dO, lse2 and delta.
 template <class Pol>
-__global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdParams p) {
+__global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kernel(const GqaBwdParams p, const __grid_constant__ typename Pol::Maps maps) {
     if (*p.nonfinite) return;   // the row-wise kernels take this call
     constexpr bool kBf16 = Pol::kBf16;
-    constexpr int DP = Pol::DP, H = Pol::kTileHalves, OUT = Pol::kOut;
+    constexpr int DP = Pol::DP, H = Pol::kTileHalves, OUT = Pol::kOut, KG = Pol::kKeyGroups;
     const int col0 = OUT == DP ? 0 : int(blockIdx.y) * OUT;   // this CTA's dK and dV columns
     extern __shared__ __align__(16) uint16_t smem_raw[];
     uint16_t* smem = Pol::aligned(smem_raw);
-    uint16_t *k_tile = smem, *v_tile = smem + H;
-    auto q_tile = [&](int st) { return smem + (2 + 2 * st) * H; };
-    auto do_tile = [&](int st) { return smem + (3 + 2 * st) * H; };
-    auto lse2_s = [&](int st) { return reinterpret_cast<float*>(smem + 6 * H) + st * 2 * kTile; };
+    uint16_t *k_tiles = smem, *v_tiles = smem + KG * H;   // a 64-key tile per group
+    auto q_tile = [&](int st) { return smem + (2 * KG + 2 * st) * H; };
+    auto do_tile = [&](int st) { return smem + (2 * KG + 1 + 2 * st) * H; };
+    auto lse2_s = [&](int st) { return reinterpret_cast<float*>(smem + (2 * KG + 4) * H) + st * 2 * kTile; };
     auto delta_s = [&](int st) { return lse2_s(st) + kTile; };
 
     const BwdCta cta = bwd_cta(p.B, p.Hkv);
     const int64_t b = cta.b;
-    const int kv_head = cta.head, warp = threadIdx.x / 32, lane = threadIdx.x % 32, tiles = (p.T + kTile - 1) / kTile;
-    const int kt = cta.tile, k0 = kt * kTile;
+    const int kv_head = cta.head, lane = threadIdx.x % 32, tiles = (p.T + kTile - 1) / kTile;
+    const int wg = int(threadIdx.x) / kThreads, warp = int(threadIdx.x) % kThreads / 32;   // this thread's key group, warp in it
+    const bool loader = int(threadIdx.x) < kThreads;   // the first group's threads make the cp.async copies
+    const int kt = cta.tile, k0 = kt * kTile * KG, kw0 = k0 + kTile * wg;   // the CTA's first key, this group's
+    uint16_t *k_tile = k_tiles + wg * H, *v_tile = v_tiles + wg * H;
     const bool bf16 = kBf16;
+    // Pol::kTma: a stage's Q, dO, lse2 and delta come by TMA, issued by thread 0, and land on the
+    // stage's barrier (phase k: the stage's k-th step).
+    __shared__ uint64_t landed_bar[2];
+    static_assert(!(Pol::kTma && kBwdEarlyIssue), "early issue reloads a stage by cp.async only");
+    if constexpr (Pol::kTma) {
+        if (threadIdx.x == 0) Pol::init_landed(landed_bar);
+        __syncthreads();
+    }
 
-    Pol::load(k_tile, static_cast<const uint16_t*>(p.k), b, k0, kv_head, p.Hkv, p.T);
-    Pol::load(v_tile, static_cast<const uint16_t*>(p.v), b, k0, kv_head, p.Hkv, p.T);
+    if (loader)
+        for (int g = 0; g < KG; ++g) {
+            Pol::load(k_tiles + g * H, static_cast<const uint16_t*>(p.k), b, k0 + g * kTile, kv_head, p.Hkv, p.T);
+            Pol::load(v_tiles + g * H, static_cast<const uint16_t*>(p.v), b, k0 + g * kTile, kv_head, p.Hkv, p.T);
+        }
     cp_async_commit();
 
-    // Step i is query tile kt + i / G of head kv_head * G + i % G: its Q, dO, lse2 and delta go to
+    // Step i is query tile kt KG + i / G of head kv_head * G + i % G: its Q, dO, lse2 and delta go to
     // stage i % 2 while step i - 1 computes from the other stage. The steps are loaded in order, so
     // the next one's tile and head are counted on (no division a step).
-    const int steps = (tiles - kt) * p.group;
-    int load_qt = kt, load_g = 0;   // the next step to load: its query tile, and its head in the group
+    const int steps = (tiles - kt * KG) * p.group;
+    int load_qt = kt * KG, load_g = 0;   // the next step to load: its query tile, and its head in the group
     auto load_next = [&](int st) {
         const int q0 = load_qt * kTile, h = kv_head * p.group + load_g;
         if (++load_g == p.group) load_g = 0, ++load_qt;
-        Pol::load(q_tile(st), static_cast<const uint16_t*>(p.q), b, q0, h, p.Hq, p.T);
-        Pol::load(do_tile(st), static_cast<const uint16_t*>(p.dout), b, q0, h, p.Hq, p.T);
-        for (int r = threadIdx.x; r < kTile; r += kThreads) {
-            const int t = q0 + r;
-            const int64_t row = (b * p.T + (t < p.T ? t : 0)) * p.Hq + h;
-            cp_async4(lse2_s(st) + r, p.lse2 + row, t < p.T ? 4 : 0);
-            cp_async4(delta_s(st) + r, p.delta + row, t < p.T ? 4 : 0);
+        const int64_t stat = bwd_stat_row(b, h, q0, p);   // 64 values, zeros past T
+        if constexpr (Pol::kTma) {
+            if (threadIdx.x == 0)
+                Pol::load_step(maps, q_tile(st), do_tile(st), lse2_s(st), delta_s(st), p.lse2 + stat, p.delta + stat,
+                               &landed_bar[st], b, q0, h);
+        } else if (loader) {
+            Pol::load(q_tile(st), static_cast<const uint16_t*>(p.q), b, q0, h, p.Hq, p.T);
+            Pol::load(do_tile(st), static_cast<const uint16_t*>(p.dout), b, q0, h, p.Hq, p.T);
+            if (threadIdx.x < kTile / 4) {
+                cp_async16(lse2_s(st) + 4 * threadIdx.x, p.lse2 + stat + 4 * threadIdx.x, 16);
+                cp_async16(delta_s(st) + 4 * threadIdx.x, p.delta + stat + 4 * threadIdx.x, 16);
+            }
         }
     };
     load_next(0);
     cp_async_commit();
 
     float dk[1][OUT / 8][4] = {}, dv[1][OUT / 8][4] = {};
-    int step_qt = kt, step_g = 0;   // step i's query tile and head in the group, counted on
+    int step_qt = kt * KG, step_g = 0;   // step i's query tile and head in the group, counted on
     for (int i = 0; i < steps; ++i) {
         const int st = i & 1, q0 = step_qt * kTile;
         if (++step_g == p.group) step_g = 0, ++step_qt;
-        if (!kBwdEarlyIssue) {
+        if (!kBwdEarlyIssue && !Pol::kTma) {
             if (i + 1 < steps) load_next(st ^ 1);
             cp_async_commit();    // (empty on the last step)
         }
-        cp_async_wait<kBwdEarlyIssue ? 0 : 1>();   // step i has landed
+        cp_async_wait<kBwdEarlyIssue ? 0 : 1>();   // step i has landed (kTma: K and V)
         Pol::landed();
         __syncthreads();
+        if constexpr (Pol::kTma) Pol::await_step(&landed_bar[st], uint32_t((i >> 1) & 1));
         const float* lse2_t = lse2_s(st);
         const float* delta_t = delta_s(st);
         float s[1][kTile / 8][4], dp[1][kTile / 8][4];
         Pol::qk_issue(s, k_tile, q_tile(st), warp, lane);     // S^T
         Pol::qk_issue(dp, v_tile, do_tile(st), warp, lane);   // dP^T
+        // kTma: step i + 1's copies go out under the products (its stage was freed by the barrier
+        // that ended step i - 1), so the issuing warp does not hold up this step's barrier.
+        if constexpr (Pol::kTma) {
+            if (i + 1 < steps) load_next(st ^ 1);
+        }
         if (kBwdEarlyIssue) {
             Pol::template wait<2>();   // the last step's dV and dK: its stage is free
             Pol::settle(dv);
@@ -321,9 +390,10 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdPara
             if (i + 1 < steps) load_next(st ^ 1);
             cp_async_commit();    // (empty on the last step)
         }
-        // Masks only where a query can precede a key (the diagonal tile) or a row or key is past T.
-        const bool edge = q0 == k0 || q0 + kTile > p.T;
-        const int j_base = k0 + 16 * warp;
+        // Masks only where a query can precede a key (the group's diagonal tile, and for a later
+        // group the tiles before it) or a row or key is past T.
+        const bool edge = q0 <= kw0 || q0 + kTile > p.T;
+        const int j_base = kw0 + 16 * warp;
         float column[kTile / 8][2] = {};
         auto stat_of = [&](const float* stat, int n, int e) { return kBwdStatsInRegs ? column[n][e & 1] : stat[frag_col(lane, n, e)]; };
         if (kBwdStatsInRegs) read_columns(column, lse2_t, lane);
@@ -369,7 +439,7 @@ __global__ void __launch_bounds__(kThreads) gqa_bwd_dkdv_kernel(const GqaBwdPara
 
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        const int j = k0 + 16 * warp + frag_row(lane, 2 * half);
+        const int j = kw0 + 16 * warp + frag_row(lane, 2 * half);
         if (j >= p.T) continue;
         const int64_t row = (b * p.T + j) * p.Hkv + kv_head;
         uint16_t* dk_out = static_cast<uint16_t*>(p.dk) + row * DP + col0;
@@ -389,18 +459,22 @@ cudaError_t bwd_launch(const GqaBwdParams& p, cudaStream_t stream, int dev) {
     if (p.dtype != (Pol::kBf16 ? kGqaBFloat16 : kGqaFloat16) || p.D != Pol::DP) return cudaErrorInvalidValue;
     static bool raised_dq[kMaxDevices] = {}, raised_dkdv[kMaxDevices] = {};
     constexpr size_t dq_smem = BwdSmem<Pol>::kDq, dkdv_smem = BwdSmem<Pol>::kDkdv;
-    const int64_t tiles = (p.T + kTile - 1) / kTile;
-    const int64_t dq_ctas = tiles * p.B * p.Hq, dkdv_ctas = tiles * p.B * p.Hkv;
+    static_assert(dq_smem <= 227 * 1024 && dkdv_smem <= 227 * 1024, "each kernel's tiles fit one CTA's shared memory");
+    const int64_t tiles = (p.T + kTile - 1) / kTile, key_tiles = (p.T + kTile * Pol::kKeyGroups - 1) / (kTile * Pol::kKeyGroups);
+    const int64_t dq_ctas = (tiles + Pol::kRowGroups - 1) / Pol::kRowGroups * p.B * p.Hq, dkdv_ctas = key_tiles * p.B * p.Hkv;
     if (dq_ctas > 0x7fffffff || dkdv_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
     cudaError_t err = raise_smem_limit(gqa_bwd_dq_kernel<Pol>, dq_smem, dev, raised_dq);
     if (err != cudaSuccess) return err;
     err = raise_smem_limit(gqa_bwd_dkdv_kernel<Pol>, dkdv_smem, dev, raised_dkdv);
     if (err != cudaSuccess) return err;
     constexpr unsigned kHalves = Pol::DP / Pol::kOut;   // CTAs a tile, each its output columns
-    gqa_bwd_dq_kernel<Pol><<<dim3(unsigned(dq_ctas), kHalves), kThreads, dq_smem, stream>>>(p);
+    typename Pol::Maps maps;
+    err = Pol::make_maps(p, &maps);
+    if (err != cudaSuccess) return err;
+    gqa_bwd_dq_kernel<Pol><<<dim3(unsigned(dq_ctas), kHalves), kThreads * Pol::kRowGroups, dq_smem, stream>>>(p, maps);
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
-    gqa_bwd_dkdv_kernel<Pol><<<dim3(unsigned(dkdv_ctas), kHalves), kThreads, dkdv_smem, stream>>>(p);
+    gqa_bwd_dkdv_kernel<Pol><<<dim3(unsigned(dkdv_ctas), kHalves), kThreads * Pol::kKeyGroups, dkdv_smem, stream>>>(p, maps);
     return cudaGetLastError();
 }
 

@@ -100,8 +100,11 @@ __device__ __forceinline__ void swizzled_load(uint16_t* tile, const uint16_t* ba
     }
 }
 
-template <bool kBf16, int DP>
-__global__ void __launch_bounds__(FusedTraits<DP>::kThreads, 1) gqa_bwd_fused_kernel(const GqaBwdParams p) {
+template <class Pol>
+__global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
+    gqa_bwd_fused_kernel(const GqaBwdParams p, const __grid_constant__ typename Pol::Maps maps) {
+    constexpr bool kBf16 = Pol::kBf16;
+    constexpr int DP = Pol::DP;
     using Tr = FusedTraits<DP>;
     if (*p.nonfinite) return;   // the row-wise kernels take this call
     extern __shared__ __align__(16) unsigned char fused_smem[];
@@ -126,6 +129,12 @@ __global__ void __launch_bounds__(FusedTraits<DP>::kThreads, 1) gqa_bwd_fused_ke
     const int steps = (n_q - 2 * kt) * G;   // query tiles 2 kt .. n_q - 1 see a key of this CTA
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4, cw = warp % 4;
     const int gid = lane >> 2, tig = lane & 3;
+    // Pol::kTma: a step's Q, dO, lse2 and delta by TMA from thread 0, landing on its stage's barrier.
+    __shared__ uint64_t landed_bar[2];
+    if constexpr (Pol::kTma) {
+        if (threadIdx.x == 0) Pol::init_landed(landed_bar);
+        __syncthreads();
+    }
     if constexpr (Tr::kWriter) {
         if (wg == 2) {   // the writer warpgroup: its first warp adds the shares, the others leave
             regs_dec<Tr::kWriterRegs>();
@@ -180,13 +189,19 @@ __global__ void __launch_bounds__(FusedTraits<DP>::kThreads, 1) gqa_bwd_fused_ke
     auto step_head = [&](int i) { return kvh * G + i % G; };
     auto load_step = [&](int i, int st) {
         const int q0 = step_tile(i) * Tr::kRows, h = step_head(i);
+        if constexpr (Pol::kTma) {
+            const int64_t stat = bwd_stat_row(b, h, q0, p);
+            if (threadIdx.x == 0)
+                Pol::load_step(maps, sQ(st), sdO(st), lse2_s(st), delta_s(st), p.lse2 + stat, p.delta + stat, &landed_bar[st],
+                               b, q0, h);
+            return;
+        }
         swizzled_load<DP, 64, 256>(sQ(st), static_cast<const uint16_t*>(p.q), b, q0, h, p.Hq, T);
         swizzled_load<DP, 64, 256>(sdO(st), static_cast<const uint16_t*>(p.dout), b, q0, h, p.Hq, T);
-        for (int r = threadIdx.x; r < Tr::kRows; r += Tr::kMmaThreads) {
-            const int t = q0 + r;
-            const int64_t row = (b * T + (t < T ? t : 0)) * p.Hq + h;
-            cp_async4(lse2_s(st) + r, p.lse2 + row, t < T ? 4 : 0);
-            cp_async4(delta_s(st) + r, p.delta + row, t < T ? 4 : 0);
+        if (threadIdx.x < Tr::kRows / 4) {   // 64 values each, zeros past T
+            const int64_t stat = bwd_stat_row(b, h, q0, p) + 4 * threadIdx.x;
+            cp_async16(lse2_s(st) + 4 * threadIdx.x, p.lse2 + stat, 16);
+            cp_async16(delta_s(st) + 4 * threadIdx.x, p.delta + stat, 16);
         }
     };
     // This warpgroup's piece of the sum for step `step`: 64 query rows x its 64 columns.
@@ -244,11 +259,14 @@ __global__ void __launch_bounds__(FusedTraits<DP>::kThreads, 1) gqa_bwd_fused_ke
     float dk[DP / 8][4] = {}, dv[DP / 8][4] = {};
     for (int i = 0; i < steps; ++i) {
         const int st = i & 1, qi = step_tile(i), h = step_head(i), q0 = qi * Tr::kRows;
-        if (i + 1 < steps) load_step(i + 1, st ^ 1);
-        cp_async_commit();    // (empty on the last step)
-        cp_async_wait<1>();   // everything but the step just issued has landed
+        if (!Pol::kTma) {
+            if (i + 1 < steps) load_step(i + 1, st ^ 1);
+            cp_async_commit();    // (empty on the last step)
+        }
+        cp_async_wait<Pol::kTma ? 0 : 1>();   // everything but the step just issued has landed (kTma: K and V)
         fence_async_proxy();
         mma_sync();
+        if constexpr (Pol::kTma) Pol::await_step(&landed_bar[st], uint32_t((i >> 1) & 1));
         const float* lse2_t = lse2_s(st);
         const float* delta_t = delta_s(st);
         float s[8][4], dp[8][4];
@@ -256,6 +274,10 @@ __global__ void __launch_bounds__(FusedTraits<DP>::kThreads, 1) gqa_bwd_fused_ke
         wg_commit();
         qk_wgmma<kBf16, DP, 128, 64>(dp, sV, 64 * wg, sdO(st));  // dP^T
         wg_commit();
+        // kTma: step i + 1 goes out under the products (its stage was freed by the barrier above).
+        if constexpr (Pol::kTma) {
+            if (i + 1 < steps) load_step(i + 1, st ^ 1);
+        }
         // Masks only where a query can precede one of these keys or a row or key is past T.
         const bool edge = q0 < kw0 + 64 || q0 + Tr::kRows > T || kw0 + 64 > T;
         const int j_base = kw0 + 16 * cw;
@@ -379,15 +401,17 @@ cudaError_t fused_launch(const GqaBwdParams& p, cudaStream_t stream, int dev) {
     if (p.dtype != (kBf16 ? kGqaBFloat16 : kGqaFloat16) || p.D != DP || p.dq_accum == nullptr) return cudaErrorInvalidValue;
     static bool raised_stats[kMaxDevices] = {}, raised_fused[kMaxDevices] = {};
     const int64_t q_tiles = (p.T + kTile - 1) / kTile, key_tiles = (p.T + Tr::kKeys - 1) / Tr::kKeys;
-    const int64_t stats_ctas = q_tiles * p.B * p.Hq, fused_ctas = key_tiles * p.B * p.Hkv;
+    const int64_t stats_ctas = (q_tiles + Pol::kRowGroups - 1) / Pol::kRowGroups * p.B * p.Hq, fused_ctas = key_tiles * p.B * p.Hkv;
     if (stats_ctas > 0x7fffffff || fused_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
     cudaError_t err = raise_smem_limit(gqa_bwd_dq_kernel<Pol, true>, BwdSmem<Pol>::kDq, dev, raised_stats);
-    if (err == cudaSuccess) err = raise_smem_limit(gqa_bwd_fused_kernel<kBf16, DP>, Tr::kSmem, dev, raised_fused);
+    if (err == cudaSuccess) err = raise_smem_limit(gqa_bwd_fused_kernel<Pol>, Tr::kSmem, dev, raised_fused);
+    typename Pol::Maps maps;
+    if (err == cudaSuccess) err = Pol::make_maps(p, &maps);
     if (err == cudaSuccess)
         err = cudaMemsetAsync(p.dq_accum, 0, gqa_fused_dq_floats(p) * sizeof(float), stream);
     if (err != cudaSuccess) return err;
-    gqa_bwd_dq_kernel<Pol, true><<<unsigned(stats_ctas), kThreads, BwdSmem<Pol>::kDq, stream>>>(p);
-    gqa_bwd_fused_kernel<kBf16, DP><<<unsigned(fused_ctas), Tr::kThreads, Tr::kSmem, stream>>>(p);
+    gqa_bwd_dq_kernel<Pol, true><<<unsigned(stats_ctas), kThreads * Pol::kRowGroups, BwdSmem<Pol>::kDq, stream>>>(p, maps);
+    gqa_bwd_fused_kernel<Pol><<<unsigned(fused_ctas), Tr::kThreads, Tr::kSmem, stream>>>(p, maps);
     const int64_t quads = int64_t(p.B) * p.Hq * ((p.T + 63) / 64) * 16 * DP;
     const int64_t blocks = (quads + 255) / 256 < 4096 ? (quads + 255) / 256 : 4096;
     gqa_bwd_dq_store_kernel<kBf16, DP><<<unsigned(blocks), 256, 0, stream>>>(p, quads);

@@ -118,15 +118,20 @@ __device__ __forceinline__ bool own_tile_sw_zero_nonfinite(Elem* dst, bool bf16)
 // running sum l move on, S becomes P = exp2(S * scale_log2 - m + shift), and the factor that
 // brings O (and l) to the new max is returned. kShift: P carries 2^shift (x3's headroom).
 // kFmaTiles: the last kFmaTiles n-tiles take fma_exp2 instead of MUFU's (x <= 0 only).
-template <int kNTiles, bool kShift = false, int kFmaTiles = 0>
+// kSlack > 0: the row keeps its max while the new one exceeds it by at most kSlack (log2 units),
+// so P stays below 2^kSlack and O needs no rescale (factor 1) on most tiles; m and l stay
+// consistent, so the result is the same up to rounding. Not with kShift (x3's P has no headroom).
+template <int kNTiles, bool kShift = false, int kFmaTiles = 0, int kSlack = 0>
 __device__ __forceinline__ float softmax_row(float (&st)[kNTiles][4], int h, float& m, float& l, float scale_log2,
                                              float shift = 0.f) {
+    static_assert(kSlack == 0 || !kShift, "a stale max needs P's headroom");
     float mx = -INFINITY;
 #pragma unroll
     for (int j = 0; j < kNTiles; ++j) mx = fmaxf(mx, fmaxf(st[j][h], st[j][h + 1]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m, mx * scale_log2);
+    float m_new = fmaxf(m, mx * scale_log2);
+    if constexpr (kSlack > 0) m_new = m_new - m <= float(kSlack) ? m : m_new;   // (false for m = -inf, or NaN)
     // -inf only while every key seen for the row is masked (key-split warps past the row's time
     // step) or when the scores are not finite.
     const float m_ref = m_new == -INFINITY ? 0.f : m_new;

@@ -10,52 +10,11 @@
 #ifndef GQA_WS_KERNEL_CUH
 #define GQA_WS_KERNEL_CUH
 
-#include <cuda.h>
-#include <cudaTypedefs.h>
-
 #include "common/tile_io.cuh"
+#include "common/tma.cuh"
 
 namespace {
 
-// ---------------------------------------------------------------------------------------------
-// mbarrier and TMA primitives (sm_90).
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
-// One arrival that also tells the barrier to wait for `bytes` of TMA transactions.
-__device__ __forceinline__ void mbar_arrive_expect(uint64_t* bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-}
-// Waits for the completion of the barrier's phase of this parity (phase k has parity k % 2).
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-    asm volatile("{\n.reg .pred done;\nWS_WAIT:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-                 "@!done bra WS_WAIT;\n}\n" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
-}
-// mbar_wait with a suspend-time hint of kNs nanoseconds a try (ptxas: NANOSLEEP.SYNCS between
-// tries), for the producer warpgroup's waits, whose tries (three instructions each, about 20 cycles
-// apart; 14% of the kernel's issued instructions at (1, 8192, 32, 8, 128)) take issue slots from
-// the consumer warps on the same schedulers. kNs = 0: mbar_wait.
-template <uint32_t kNs> __device__ __forceinline__ void mbar_wait_idle(uint64_t* bar, uint32_t parity) {
-    if constexpr (kNs == 0) {
-        mbar_wait(bar, parity);
-    } else {
-        asm volatile("{\n.reg .pred done;\nWS_WAIT_IDLE:\n"
-                     "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, %2;\n"
-                     "@!done bra WS_WAIT_IDLE;\n}\n" ::"r"(smem_addr(bar)), "r"(parity), "n"(kNs) : "memory");
-    }
-}
-// A box of the 4-D tensor map (coordinates innermost first) into shared memory; completes on `bar`.
-__device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2, int c3) {
-    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
-                 ::"r"(smem_addr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-                 : "memory");
-}
 // A barrier among the consumer warpgroups only (id 1; id 0 is __syncthreads).
 template <int kConsumers> __device__ __forceinline__ void consumers_sync() {
     asm volatile("bar.sync 1, %0;\n" ::"n"(128 * kConsumers) : "memory");
@@ -99,6 +58,10 @@ template <int DP> struct WsTraits {
     // long a try (mbar_wait_idle; 0: spin). In the ncu profile of (1, 8192, 32, 8, 128) each kind
     // spun about 10 million tries.
     static constexpr uint32_t kProducerSleepNs = 0, kScanSleepNs = 0;
+    // A row's max moves only when a tile's exceeds it by more than this (log2 units; 0: always):
+    // then O's rescale, 4 DP / 8 multiplies a thread, runs only on the tiles that move one of the
+    // warp's rows (softmax_row's kSlack; P stays below 2^kRescaleSlack).
+    static constexpr int kRescaleSlack = 0;
     // S of tile n + 1 beside P V of tile n, up to width 128. At width 256 (O: 128 registers) the
     // overlap spills around the exact non-finite step and measured 2% slower (NOTES v46).
     static constexpr bool kOverlap = DP <= 128;
@@ -333,11 +296,14 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
                         if (key0 + j * 8 + 2 * tig + (e & 1) > row_t[e >> 1]) s[j][e] = -INFINITY;
             }
 #pragma unroll
-            for (int r = 0; r < 2; ++r) f[r] = softmax_row<kNTiles, false, Tr::kFmaExpTiles>(s, 2 * r, m[r], l[r], scale_log2);
+            for (int r = 0; r < 2; ++r)
+                f[r] = softmax_row<kNTiles, false, Tr::kFmaExpTiles, Tr::kRescaleSlack>(s, 2 * r, m[r], l[r], scale_log2);
         };
         auto scalar_pv_nonfinite = [&](int key0) { add_nonfinite_pv(o, s, row_t, key0, head.v, p.v_stride_t, T, p.D, bf16); };
         auto issue_qk = [&](int n) { qk_wgmma<bf16, DP, BM, TK>(s, sQ, wg * 64, sK((it + n) % S)); };
         auto rescale_o = [&]() {
+            // (kRescaleSlack: skipped by the whole warp when no row of it moved its max)
+            if (Tr::kRescaleSlack > 0 && !__any_sync(0xffffffffu, f[0] != 1.f || f[1] != 1.f)) return;
 #pragma unroll
             for (int d = 0; d < kDTiles; ++d) {
                 o[d][0] *= f[0], o[d][1] *= f[0];
@@ -451,27 +417,12 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
 }
 
 // A 4-D tensor map over q, k or v (dims D, heads, T, B; element strides of the last three), boxes
-// of 64 x box_heads x box_steps x 1 in the 128-byte swizzle. cuTensorMapEncodeTiled comes through
-// the runtime's driver entry point, so the library links no libcuda.
+// of 64 x box_heads x box_steps x 1 in the 128-byte swizzle.
 inline cudaError_t ws_tensor_map(CUtensorMap* map, const void* data, const GqaParams& p, int heads, int64_t stride_h,
                                  int64_t stride_t, int64_t stride_b, int box_heads, int box_steps, bool bf16) {
-    static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
-    if (encode == nullptr) {
-        cudaDriverEntryPointQueryResult found{};
-        void* fn = nullptr;
-        const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
-        if (err != cudaSuccess) return err;
-        if (found != cudaDriverEntryPointSuccess || fn == nullptr) return cudaErrorNotSupported;
-        encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-    }
-    const cuuint64_t dims[4] = {cuuint64_t(p.D), cuuint64_t(heads), cuuint64_t(p.T), cuuint64_t(p.B)};
-    const cuuint64_t strides[3] = {cuuint64_t(stride_h) * 2, cuuint64_t(stride_t) * 2, cuuint64_t(stride_b) * 2};
-    const cuuint32_t box[4] = {64, cuuint32_t(box_heads), cuuint32_t(box_steps), 1};
-    const cuuint32_t steps[4] = {1, 1, 1, 1};
-    const CUresult res = encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4,
-                                const_cast<void*>(data), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorNotSupported;
+    return tensor_map_16bit(map, data, bf16, {cuuint64_t(p.D), cuuint64_t(heads), cuuint64_t(p.T), cuuint64_t(p.B)},
+                            {cuuint64_t(stride_h) * 2, cuuint64_t(stride_t) * 2, cuuint64_t(stride_b) * 2},
+                            {64, cuuint32_t(box_heads), cuuint32_t(box_steps), 1});
 }
 
 // Launches the warp-specialised kernel over every tile of kBlockM packed rows (16-byte-aligned rows
