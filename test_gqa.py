@@ -1769,12 +1769,14 @@ def test_gpu_backward_nonfinite_fallback_walks_more_rows_than_its_grid():
         assert rel_err(got[finite], ref[finite]) <= 2e-2, name
 
 @needs_gpu
-@pytest.mark.parametrize("dtype, D", [(torch.bfloat16, 64), (torch.float16, 128)])
+@pytest.mark.parametrize("dtype, D", [(torch.bfloat16, 64), (torch.float16, 128), (torch.bfloat16, 256)])
 @pytest.mark.parametrize("which", ["q", "k", "v", "grad_out"])
 def test_gpu_backward_nonfinite_at_either_end(dtype, D, which):
-    """One Inf or NaN alone, at the first or the last element of q, k, v or grad_out, where the
-    inputs' scan (16-byte loads over each tensor) starts and ends: the tensor-core plan then hands
-    the call to the row-wise kernels, and the gradients are NaN exactly where float64 autograd's are."""
+    """One Inf or NaN alone, at the first or the last element of q, k, v or grad_out: the first
+    value of the first CTA's tiles and the last value of the last, partial, tile, which the
+    tensor-core kernels check as they read them (head_dim 256: in column halves). The plan then
+    hands the call to the row-wise kernels, and the gradients are NaN exactly where float64
+    autograd's are."""
     B, T, Hq, Hkv = 1, 140, 4, 2
     name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     for index, value in ((0, float("inf")), (-1, float("nan"))):

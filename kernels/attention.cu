@@ -188,9 +188,11 @@ int gqa_backward(const GqaBwdParams& params, void* stream) {
     if (kind == kBwdRows) return int(backward_rows(p, s));
     const GqaBwdLauncher launch = backward_launcher(kind, p.dtype, p.D);
     if (launch == nullptr) return kGqaModuleUnavailable;
-    // The scan, the tensor-core kernels (which do nothing on non-finite inputs), then the row-wise
-    // ones (which do nothing on finite inputs): no host round trip.
-    cudaError_t err = scan_nonfinite(p, s);
+    // The tensor-core kernels, which flag Inf or NaN in their inputs as they read them (the fused
+    // kernel's unit after a scan of the inputs, which flags them first), then the row-wise ones,
+    // which do nothing unless flagged: no host round trip.
+    const bool fused = kGqaFusedBackward && kind == kBwdWg && p.D != 256;
+    cudaError_t err = fused ? scan_nonfinite(p, s) : cudaMemsetAsync(p.nonfinite, 0, sizeof(int), s);
     if (err != cudaSuccess) return int(err);
     const int launched = launch(&p, stream);
     if (launched != 0) return launched;

@@ -14,8 +14,10 @@
 // end of the sequence build masks.
 // P and dS are rounded to the input dtype before their products, as in FlashAttention. A masked
 // (future or padding) entry is a hard zero, but a tile product still multiplies it by the values
-// of keys and queries the row does not attend, and 0 * Inf is NaN: so a call whose inputs hold Inf
-// or NaN (a scan sets p.nonfinite first) leaves these kernels at once and takes the row-wise ones.
+// of keys and queries the row does not attend, and 0 * Inf is NaN: so the kernels check their
+// inputs as they go (kernel 1 q, dO and o; kernel 2 k and v, each element by one CTA), a hit sets
+// p.nonfinite, and the row-wise kernels launched after them redo the call (attention.cu). Kernel
+// 2 leaves at once when kernel 1 has set it.
 
 #ifndef GQA_BWDMMA_KERNELS_CUH
 #define GQA_BWDMMA_KERNELS_CUH
@@ -59,6 +61,27 @@ __device__ __forceinline__ void read_columns(float (&column)[kTile / 8][2], cons
         for (int e = 0; e < 2; ++e) column[n][e] = stat[frag_col(lane, n, e)];
 }
 
+// Whether any of kTiles consecutive tiles of the policy (their 64 rows of DP values, not the rows'
+// padding) holds Inf or NaN, over the CTA's kThreadsN threads in 16-byte reads: with its exponent
+// field masked out of a word, adding one at the field's lowest bit carries into the value's sign
+// bit when the field is all ones, and only then (no carry crosses into the word's other value).
+template <class Pol, int kTiles, int kThreadsN>
+__device__ __forceinline__ bool tiles_nonfinite(const uint16_t* tiles, bool bf16) {
+    constexpr int kChunks = Pol::DP / 8, kRowHalves = Pol::kTileHalves / kTile;
+    const uint32_t field = bf16 ? 0x7f807f80u : 0x7c007c00u, unit = bf16 ? 0x00800080u : 0x04000400u;
+    uint32_t hit = 0;
+#pragma unroll 4
+    for (int i = int(threadIdx.x); i < kTiles * kTile * kChunks; i += kThreadsN) {
+        const uint4 w = *reinterpret_cast<const uint4*>(tiles + (i / kChunks) * kRowHalves + (i % kChunks) * 8);
+        hit |= ((w.x & field) + unit) | ((w.y & field) + unit) | ((w.z & field) + unit) | ((w.w & field) + unit);
+    }
+    return (hit & 0x80008000u) != 0;
+}
+// Raises p.nonfinite when any thread of the CTA saw Inf or NaN.
+__device__ __forceinline__ void flag_nonfinite(const GqaBwdParams& p, bool bad) {
+    if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(p.nonfinite, 1);
+}
+
 // Where query row t of (batch b, head h) keeps its lse2 and delta: [B, Hq, T64]
 // (gqa_bwd_stat_floats), a query tile's 64 values in one contiguous run, rows past T zero.
 __device__ __forceinline__ int64_t bwd_stat_row(int64_t b, int h, int t, const GqaBwdParams& p) {
@@ -92,7 +115,6 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
     auto k_of = [&](int st) { return smem + (2 * RG + 2 * st) * H; };
     auto v_of = [&](int st) { return smem + (2 * RG + 1 + 2 * st) * H; };
 
-    if (*p.nonfinite) return;   // the row-wise kernels take this call
     const BwdCta cta = bwd_cta(p.B, p.Hq);
     const int64_t b = cta.b;
     const int h = cta.head, kv_head = h / p.group, lane = threadIdx.x % 32;
@@ -275,6 +297,12 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
     }
     Pol::template wait<0>();
     Pol::settle(dq);
+    // The inputs' check: Inf or NaN in this CTA's Q tiles, or in its rows of dO or o, which makes
+    // delta not finite (so does an fp32 overflow of finite bf16 products: the row-wise kernels
+    // take that call too).
+    cp_async_wait<0>();
+    __syncthreads();
+    flag_nonfinite(p, tiles_nonfinite<Pol, RG, kThreads * RG>(q_tiles, bf16) || !isfinite(delta[0]) || !isfinite(delta[1]));
 
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -298,7 +326,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
 // each step's Q, dO, lse2 and delta.
 template <class Pol>
 __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kernel(const GqaBwdParams p, const __grid_constant__ typename Pol::Maps maps) {
-    if (*p.nonfinite) return;   // the row-wise kernels take this call
+    if (*p.nonfinite) return;   // kernel 1 found Inf or NaN: the row-wise kernels take this call
     constexpr bool kBf16 = Pol::kBf16;
     constexpr int DP = Pol::DP, H = Pol::kTileHalves, OUT = Pol::kOut, KG = Pol::kKeyGroups;
     const int col0 = OUT == DP ? 0 : int(blockIdx.y) * OUT;   // this CTA's dK and dV columns
@@ -436,6 +464,10 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
     Pol::template wait<0>();
     Pol::settle(dv);
     Pol::settle(dk);
+    // The inputs' check: Inf or NaN in this CTA's K and V tiles (consecutive in shared memory).
+    cp_async_wait<0>();
+    __syncthreads();
+    flag_nonfinite(p, tiles_nonfinite<Pol, 2 * KG, kThreads * KG>(k_tiles, bf16));
 
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -453,7 +485,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
     }
 }
 
-// Both kernels of one policy's unit, after the inputs' scan (attention.cu) on the same stream.
+// Both kernels of one policy's unit, after p.nonfinite is zeroed (attention.cu) on the same stream.
 template <class Pol>
 cudaError_t bwd_launch(const GqaBwdParams& p, cudaStream_t stream, int dev) {
     if (p.dtype != (Pol::kBf16 ? kGqaBFloat16 : kGqaFloat16) || p.D != Pol::DP) return cudaErrorInvalidValue;
