@@ -29,7 +29,8 @@ namespace {
 constexpr int kTile = 64;                  // rows of a tile, and columns of a step
 // A step's last product (dQ, or dV and dK) left running into the next step, whose first products
 // are issued behind it before the loads of the step after it (which reuse its stage) start:
-// the tensor core need not idle over the step's barrier and copies (bench/NOTES.md v51).
+// the tensor core need not idle over the step's barrier and copies (bench/NOTES.md v51: with
+// cp.async from every thread the copies then started too late; v70: with TMA from one thread).
 constexpr bool kBwdEarlyIssue = false;
 // The dK/dV kernel reads its step's lse2 and delta (one per query column, in shared memory) into
 // registers before each product's wait, 16 a thread, instead of once per element after it: ncu
@@ -59,6 +60,17 @@ __device__ __forceinline__ void read_columns(float (&column)[kTile / 8][2], cons
     for (int n = 0; n < kTile / 8; ++n)
 #pragma unroll
         for (int e = 0; e < 2; ++e) column[n][e] = stat[frag_col(lane, n, e)];
+}
+
+// sum + the dot product of two vectors of eight 16-bit values, in order, in fp32.
+__device__ __forceinline__ float dot8_16bit(const uint4& x, const uint4& y, float sum, bool bf16) {
+    const uint32_t xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        sum = fmaf(to_float(uint16_t(xs[j] & 0xffffu), bf16), to_float(uint16_t(ys[j] & 0xffffu), bf16), sum);
+        sum = fmaf(to_float(uint16_t(xs[j] >> 16), bf16), to_float(uint16_t(ys[j] >> 16), bf16), sum);
+    }
+    return sum;
 }
 
 // Whether any of kTiles consecutive tiles of the policy (their 64 rows of DP values, not the rows'
@@ -160,11 +172,15 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
     for (int half = 0; half < 2; ++half) {
         const int t = q0 + 16 * warp + frag_row(lane, 2 * half);
         float sum = 0.f;
-        if (t < p.T) {
+        if (t < p.T) {   // the quad's row in 16-byte reads, lane l of the quad chunks l, l + 4, ..
             const int64_t row = ((b * p.T + t) * p.Hq + h) * int64_t(DP);
-            for (int d = (lane & 3); d < DP; d += 4)
-                sum = fmaf(to_float(static_cast<const uint16_t*>(p.dout)[row + d], bf16),
-                           to_float(static_cast<const uint16_t*>(p.o)[row + d], bf16), sum);
+            const uint4* dout_row = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.dout) + row);
+            const uint4* o_row = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.o) + row);
+            uint4 x[DP / 32], y[DP / 32];
+#pragma unroll
+            for (int i = 0; i < DP / 32; ++i) x[i] = __ldg(dout_row + (lane & 3) + 4 * i), y[i] = __ldg(o_row + (lane & 3) + 4 * i);
+#pragma unroll
+            for (int i = 0; i < DP / 32; ++i) sum = dot8_16bit(x[i], y[i], sum, bf16);
         }
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
@@ -244,20 +260,21 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
         if (kt < kt_last) load_kv_tile(kt + 1, ((kt + 1) & 1) ^ 1);
         cp_async_commit();    // (empty on the last tile)
     };
-    static_assert(!(Pol::kTma && kBwdEarlyIssue), "early issue reloads a stage by cp.async only");
     for (int kt = 0; kt <= (kStats ? -1 : kt_last); ++kt) {
         const int st = (kt + 1) & 1;
         if (!kBwdEarlyIssue && !kTmaKv) load_kv(kt);
         cp_async_wait<kBwdEarlyIssue || kTmaKv ? 0 : 1>();   // key tile kt has landed (kTma: Q and dO)
         Pol::landed();
-        __syncthreads();
+        // (kTma with kBwdEarlyIssue: only Q and dO need it, and the tile's stage was freed by the
+        // barrier in the middle of the tile before)
+        if (!(kTmaKv && kBwdEarlyIssue) || kt == 0) __syncthreads();
         if constexpr (kTmaKv) Pol::await_step(&landed_bar[st], uint32_t((kt >> 1) & 1));
         float s[1][kTile / 8][4], dp[1][kTile / 8][4];
         Pol::qk_issue(s, q_tile, k_of(st), warp, lane);
         Pol::qk_issue(dp, do_tile, v_of(st), warp, lane);
         // kTma: tile kt + 1 goes out under the products (its stage was freed by the barrier that
-        // ended tile kt - 1).
-        if constexpr (kTmaKv) load_kv(kt);
+        // ended tile kt - 1; with kBwdEarlyIssue by the one below).
+        if constexpr (kTmaKv && !kBwdEarlyIssue) load_kv(kt);
         if (kBwdEarlyIssue) {
             Pol::template wait<2>();   // the last tile's dQ product: its stage is free
             Pol::settle(dq);
@@ -349,7 +366,6 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
     // Pol::kTma: a stage's Q, dO, lse2 and delta come by TMA, issued by thread 0, and land on the
     // stage's barrier (phase k: the stage's k-th step).
     __shared__ uint64_t landed_bar[2];
-    static_assert(!(Pol::kTma && kBwdEarlyIssue), "early issue reloads a stage by cp.async only");
     if constexpr (Pol::kTma) {
         if (threadIdx.x == 0) Pol::init_landed(landed_bar);
         __syncthreads();
@@ -398,7 +414,9 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
         }
         cp_async_wait<kBwdEarlyIssue ? 0 : 1>();   // step i has landed (kTma: K and V)
         Pol::landed();
-        __syncthreads();
+        // (kTma with kBwdEarlyIssue: only K and V need it, and the step's stage was freed by the
+        // barrier in the middle of the step before)
+        if (!(Pol::kTma && kBwdEarlyIssue) || i == 0) __syncthreads();
         if constexpr (Pol::kTma) Pol::await_step(&landed_bar[st], uint32_t((i >> 1) & 1));
         const float* lse2_t = lse2_s(st);
         const float* delta_t = delta_s(st);
@@ -406,8 +424,9 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
         Pol::qk_issue(s, k_tile, q_tile(st), warp, lane);     // S^T
         Pol::qk_issue(dp, v_tile, do_tile(st), warp, lane);   // dP^T
         // kTma: step i + 1's copies go out under the products (its stage was freed by the barrier
-        // that ended step i - 1), so the issuing warp does not hold up this step's barrier.
-        if constexpr (Pol::kTma) {
+        // that ended step i - 1; with kBwdEarlyIssue by the one below), so the issuing warp does
+        // not hold up this step's barrier.
+        if constexpr (Pol::kTma && !kBwdEarlyIssue) {
             if (i + 1 < steps) load_next(st ^ 1);
         }
         if (kBwdEarlyIssue) {
