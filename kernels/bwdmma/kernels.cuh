@@ -62,6 +62,29 @@ __device__ __forceinline__ void read_columns(float (&column)[kTile / 8][2], cons
         for (int e = 0; e < 2; ++e) column[n][e] = stat[frag_col(lane, n, e)];
 }
 
+// What a policy's kernels read besides their tiles' layout, once a CTA (Pol::io): the 16-bit
+// policies read the inputs as they are; the x3 policy (bwdx3/) reads its pre-pass's fp16 hi and lo
+// copies, scaled by powers of two, and undoes the scales with these numbers.
+struct BwdIo {
+    const uint16_t *q, *k, *v, *dout;   // the tiles' sources: [B, T, heads, Pol::kRowValues] 16-bit
+    float scale_log2;                   // S (as the products give it) to log2 units
+    float p_mul, ds_mul;                // P and dS times these before their products
+    int e_delta;                        // delta times 2^e_delta: dP's units
+    int e_dq, e_dk, e_dv;               // the accumulators (dQ and dK times 1 / sqrt(D)) times 2^e
+};
+// The 16-bit policies' part of the interface: inputs as they are, fp16 or bf16 outputs.
+template <bool kBf16> struct Bwd16BitIo {
+    static constexpr int kDtype = kBf16 ? kGqaBFloat16 : kGqaFloat16;
+    static constexpr bool kDeltaGiven = false;   // the dQ kernel computes delta from dO and o
+    static __device__ __forceinline__ BwdIo io(const GqaBwdParams& p) {
+        return {static_cast<const uint16_t*>(p.q), static_cast<const uint16_t*>(p.k), static_cast<const uint16_t*>(p.v),
+                static_cast<const uint16_t*>(p.dout), p.scale_log2, 1.f, 1.f, 0, 0, 0, 0};
+    }
+    using Out = uint16_t;   // the gradients' element
+    // Two values of a gradient at `out` (the exponent is 0 here).
+    static __device__ __forceinline__ void store2(Out* out, float a, float b, int) { store_pair(out, a, b, kBf16); }
+};
+
 // sum + the dot product of two vectors of eight 16-bit values, in order, in fp32.
 __device__ __forceinline__ float dot8_16bit(const uint4& x, const uint4& y, float sum, bool bf16) {
     const uint32_t xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
@@ -73,13 +96,13 @@ __device__ __forceinline__ float dot8_16bit(const uint4& x, const uint4& y, floa
     return sum;
 }
 
-// Whether any of kTiles consecutive tiles of the policy (their 64 rows of DP values, not the rows'
-// padding) holds Inf or NaN, over the CTA's kThreadsN threads in 16-byte reads: with its exponent
+// Whether any of kTiles consecutive tiles of the policy (their 64 rows of Pol::kRowValues values, not
+// the rows' padding) holds Inf or NaN, over the CTA's kThreadsN threads in 16-byte reads: with its exponent
 // field masked out of a word, adding one at the field's lowest bit carries into the value's sign
 // bit when the field is all ones, and only then (no carry crosses into the word's other value).
 template <class Pol, int kTiles, int kThreadsN>
 __device__ __forceinline__ bool tiles_nonfinite(const uint16_t* tiles, bool bf16) {
-    constexpr int kChunks = Pol::DP / 8, kRowHalves = Pol::kTileHalves / kTile;
+    constexpr int kChunks = Pol::kRowValues / 8, kRowHalves = Pol::kTileHalves / kTile;
     const uint32_t field = bf16 ? 0x7f807f80u : 0x7c007c00u, unit = bf16 ? 0x00800080u : 0x04000400u;
     uint32_t hit = 0;
 #pragma unroll 4
@@ -137,7 +160,8 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
     const int qt = qt_cta + wg, q0 = qt * kTile;   // this group's query tile (past the last one: rows past T)
     uint16_t *q_tile = q_tiles + wg * H, *do_tile = do_tiles + wg * H;
     const bool bf16 = kBf16;
-    const uint16_t *k_in = static_cast<const uint16_t*>(p.k), *v_in = static_cast<const uint16_t*>(p.v);
+    const BwdIo io = Pol::io(p);
+    const uint16_t *k_in = io.k, *v_in = io.v;
     // Pol::kTma: pass 2's K and V tiles come by TMA, issued by thread 0, and land on their stage's
     // barrier (phase k: the stage's k-th tile).
     constexpr bool kTmaKv = Pol::kTma && !kStats;
@@ -158,8 +182,8 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
 
     if (loader)
         for (int g = 0; g < RG; ++g) {
-            Pol::load(q_tiles + g * H, static_cast<const uint16_t*>(p.q), b, (qt_cta + g) * kTile, h, p.Hq, p.T);
-            Pol::load(do_tiles + g * H, static_cast<const uint16_t*>(p.dout), b, (qt_cta + g) * kTile, h, p.Hq, p.T);
+            Pol::load(q_tiles + g * H, io.q, b, (qt_cta + g) * kTile, h, p.Hq, p.T);
+            Pol::load(do_tiles + g * H, io.dout, b, (qt_cta + g) * kTile, h, p.Hq, p.T);
         }
     cp_async_commit();
     // Pass 2's first K and V (stage 1, which pass 1 leaves alone), landed by pass 1's first wait.
@@ -172,7 +196,9 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
     for (int half = 0; half < 2; ++half) {
         const int t = q0 + 16 * warp + frag_row(lane, 2 * half);
         float sum = 0.f;
-        if (t < p.T) {   // the quad's row in 16-byte reads, lane l of the quad chunks l, l + 4, ..
+        if constexpr (Pol::kDeltaGiven) {   // by the policy's pre-pass, in the input's units
+            if (t < p.T) sum = ldexpf(p.delta[bwd_stat_row(b, h, t, p)], io.e_delta);
+        } else if (t < p.T) {   // the quad's row in 16-byte reads, lane l of the quad chunks l, l + 4, ..
             const int64_t row = ((b * p.T + t) * p.Hq + h) * int64_t(DP);
             const uint4* dout_row = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.dout) + row);
             const uint4* o_row = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.o) + row);
@@ -182,8 +208,10 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
 #pragma unroll
             for (int i = 0; i < DP / 32; ++i) sum = dot8_16bit(x[i], y[i], sum, bf16);
         }
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        if constexpr (!Pol::kDeltaGiven) {
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        }
         delta[half] = sum;
     }
 
@@ -232,7 +260,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
             for (int n = 0; n < kTile / 8; ++n)
 #pragma unroll
                 for (int e = 2 * half; e < 2 * half + 2; ++e) {
-                    s[0][n][e] = edge && masked(kt, n, e) ? -INFINITY : s[0][n][e] * p.scale_log2;
+                    s[0][n][e] = edge && masked(kt, n, e) ? -INFINITY : s[0][n][e] * io.scale_log2;
                     tile_max = fmaxf(tile_max, s[0][n][e]);
                 }
             tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
@@ -286,7 +314,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
         // P for every element, then the masked ones zeroed on the diagonal tile alone (with the
         // mask in the same expression the compiler tested it, and reloaded scale_log2, for every
         // element of every tile: bench/NOTES.md v63).
-        const float scale_log2 = p.scale_log2;
+        const float scale_log2 = io.scale_log2;
 #pragma unroll
         for (int n = 0; n < kTile / 8; ++n)
 #pragma unroll
@@ -305,7 +333,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[0][n][e] *= dp[0][n][e] - delta[e >> 1];   // dS
         uint32_t pa[kTile / 16][4];
-        Pol::pv_issue(dq, pa, s, Pol::columns(k_of(st), col0), lane);
+        Pol::pv_issue(dq, pa, s, Pol::columns(k_of(st), col0), lane, io.ds_mul);
         if (!kBwdEarlyIssue) {
             Pol::template wait<0>();
             Pol::settle(dq);
@@ -330,11 +358,11 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
             p.delta[stat] = t < p.T ? delta[half] : 0.f;
         }
         if (t >= p.T) continue;
-        uint16_t* out = static_cast<uint16_t*>(p.dq) + ((b * p.T + t) * p.Hq + h) * DP + col0;
+        typename Pol::Out* out = static_cast<typename Pol::Out*>(p.dq) + ((b * p.T + t) * p.Hq + h) * DP + col0;
 #pragma unroll
         for (int n = 0; n < OUT / 8; ++n)
             if (!kStats)
-                store_pair(out + frag_col(lane, n, 2 * half), dq[0][n][2 * half] * p.scale, dq[0][n][2 * half + 1] * p.scale, bf16);
+                Pol::store2(out + frag_col(lane, n, 2 * half), dq[0][n][2 * half] * p.scale, dq[0][n][2 * half + 1] * p.scale, io.e_dq);
     }
 }
 
@@ -363,6 +391,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
     const int kt = cta.tile, k0 = kt * kTile * KG, kw0 = k0 + kTile * wg;   // the CTA's first key, this group's
     uint16_t *k_tile = k_tiles + wg * H, *v_tile = v_tiles + wg * H;
     const bool bf16 = kBf16;
+    const BwdIo io = Pol::io(p);
     // Pol::kTma: a stage's Q, dO, lse2 and delta come by TMA, issued by thread 0, and land on the
     // stage's barrier (phase k: the stage's k-th step).
     __shared__ uint64_t landed_bar[2];
@@ -373,8 +402,8 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
 
     if (loader)
         for (int g = 0; g < KG; ++g) {
-            Pol::load(k_tiles + g * H, static_cast<const uint16_t*>(p.k), b, k0 + g * kTile, kv_head, p.Hkv, p.T);
-            Pol::load(v_tiles + g * H, static_cast<const uint16_t*>(p.v), b, k0 + g * kTile, kv_head, p.Hkv, p.T);
+            Pol::load(k_tiles + g * H, io.k, b, k0 + g * kTile, kv_head, p.Hkv, p.T);
+            Pol::load(v_tiles + g * H, io.v, b, k0 + g * kTile, kv_head, p.Hkv, p.T);
         }
     cp_async_commit();
 
@@ -392,8 +421,8 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
                 Pol::load_step(maps, q_tile(st), do_tile(st), lse2_s(st), delta_s(st), p.lse2 + stat, p.delta + stat,
                                &landed_bar[st], b, q0, h);
         } else if (loader) {
-            Pol::load(q_tile(st), static_cast<const uint16_t*>(p.q), b, q0, h, p.Hq, p.T);
-            Pol::load(do_tile(st), static_cast<const uint16_t*>(p.dout), b, q0, h, p.Hq, p.T);
+            Pol::load(q_tile(st), io.q, b, q0, h, p.Hq, p.T);
+            Pol::load(do_tile(st), io.dout, b, q0, h, p.Hq, p.T);
             if (threadIdx.x < kTile / 4) {
                 cp_async16(lse2_s(st) + 4 * threadIdx.x, p.lse2 + stat + 4 * threadIdx.x, 16);
                 cp_async16(delta_s(st) + 4 * threadIdx.x, p.delta + stat + 4 * threadIdx.x, 16);
@@ -449,7 +478,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
         // P^T for every element, then the masked ones zeroed on edge tiles alone: with the mask in
         // the same expression the compiler branched around each exponential (BSSY, two BRA,
         // BSYNC an element, edge tile or not; bench/NOTES.md v59).
-        const float scale_log2 = p.scale_log2;
+        const float scale_log2 = io.scale_log2;
 #pragma unroll
         for (int n = 0; n < kTile / 8; ++n)
 #pragma unroll
@@ -464,7 +493,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
                 }
         }
         uint32_t pa[kTile / 16][4], pa2[kTile / 16][4];
-        Pol::pv_issue(dv, pa, s, Pol::columns(do_tile(st), col0), lane);   // dV += P^T dO
+        Pol::pv_issue(dv, pa, s, Pol::columns(do_tile(st), col0), lane, io.p_mul);   // dV += P^T dO
         if (kBwdStatsInRegs) read_columns(column, delta_t, lane);
         Pol::template wait<1>();   // dP^T; dV still running
         Pol::settle(dp);
@@ -472,7 +501,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
         for (int n = 0; n < kTile / 8; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) dp[0][n][e] = s[0][n][e] * (dp[0][n][e] - stat_of(delta_t, n, e));   // dS^T
-        Pol::pv_issue(dk, pa2, dp, Pol::columns(q_tile(st), col0), lane);   // dK += dS^T Q
+        Pol::pv_issue(dk, pa2, dp, Pol::columns(q_tile(st), col0), lane, io.ds_mul);   // dK += dS^T Q
         if (!kBwdEarlyIssue) {
             Pol::template wait<0>();
             Pol::settle(dv);
@@ -493,13 +522,13 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
         const int j = kw0 + 16 * warp + frag_row(lane, 2 * half);
         if (j >= p.T) continue;
         const int64_t row = (b * p.T + j) * p.Hkv + kv_head;
-        uint16_t* dk_out = static_cast<uint16_t*>(p.dk) + row * DP + col0;
-        uint16_t* dv_out = static_cast<uint16_t*>(p.dv) + row * DP + col0;
+        typename Pol::Out* dk_out = static_cast<typename Pol::Out*>(p.dk) + row * DP + col0;
+        typename Pol::Out* dv_out = static_cast<typename Pol::Out*>(p.dv) + row * DP + col0;
 #pragma unroll
         for (int n = 0; n < OUT / 8; ++n) {
             const int c = frag_col(lane, n, 2 * half);
-            store_pair(dk_out + c, dk[0][n][2 * half] * p.scale, dk[0][n][2 * half + 1] * p.scale, bf16);
-            store_pair(dv_out + c, dv[0][n][2 * half], dv[0][n][2 * half + 1], bf16);
+            Pol::store2(dk_out + c, dk[0][n][2 * half] * p.scale, dk[0][n][2 * half + 1] * p.scale, io.e_dk);
+            Pol::store2(dv_out + c, dv[0][n][2 * half], dv[0][n][2 * half + 1], io.e_dv);
         }
     }
 }
@@ -507,7 +536,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
 // Both kernels of one policy's unit, after p.nonfinite is zeroed (attention.cu) on the same stream.
 template <class Pol>
 cudaError_t bwd_launch(const GqaBwdParams& p, cudaStream_t stream, int dev) {
-    if (p.dtype != (Pol::kBf16 ? kGqaBFloat16 : kGqaFloat16) || p.D != Pol::DP) return cudaErrorInvalidValue;
+    if (p.dtype != Pol::kDtype || p.D != Pol::DP) return cudaErrorInvalidValue;
     static bool raised_dq[kMaxDevices] = {}, raised_dkdv[kMaxDevices] = {};
     constexpr size_t dq_smem = BwdSmem<Pol>::kDq, dkdv_smem = BwdSmem<Pol>::kDkdv;
     static_assert(dq_smem <= 227 * 1024 && dkdv_smem <= 227 * 1024, "each kernel's tiles fit one CTA's shared memory");
