@@ -76,6 +76,7 @@ struct BwdIo {
 template <bool kBf16> struct Bwd16BitIo {
     static constexpr int kDtype = kBf16 ? kGqaBFloat16 : kGqaFloat16;
     static constexpr bool kDeltaGiven = false;   // the dQ kernel computes delta from dO and o
+    static constexpr int kFlushSteps = 0;        // the accumulators stay in registers to the end
     static __device__ __forceinline__ BwdIo io(const GqaBwdParams& p) {
         return {static_cast<const uint16_t*>(p.q), static_cast<const uint16_t*>(p.k), static_cast<const uint16_t*>(p.v),
                 static_cast<const uint16_t*>(p.dout), p.scale_log2, 1.f, 1.f, 0, 0, 0, 0};
@@ -84,6 +85,43 @@ template <bool kBf16> struct Bwd16BitIo {
     // Two values of a gradient at `out` (the exponent is 0 here).
     static __device__ __forceinline__ void store2(Out* out, float a, float b, int) { store_pair(out, a, b, kBf16); }
 };
+
+// Pol::kFlushSteps > 0 (fp32 outputs): every kFlushSteps steps a kernel adds its accumulator into
+// the gradient's fp32 rows (in fp32, rounded to nearest) and restarts it from zero. The tensor
+// core's own additions do not round to nearest, and over the hundreds of steps of a long sequence
+// their bias reached 4e-5 of dK and dV (bench/NOTES.md v71). out_row(half) is the thread's fp32 row
+// of accumulator rows frag_row(lane, 2 half), or null past T; `first`: store instead of add.
+template <int X, class RowOf>
+__device__ __forceinline__ void flush_rows(float (&acc)[1][X][4], const RowOf& out_row, int lane, bool first) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        float* row = out_row(half);
+#pragma unroll
+        for (int n = 0; n < X; ++n) {
+            if (row != nullptr) {
+                float2* at = reinterpret_cast<float2*>(row + frag_col(lane, n, 0));
+                const float2 was = first ? make_float2(0.f, 0.f) : *at;
+                *at = make_float2(was.x + acc[0][n][2 * half], was.y + acc[0][n][2 * half + 1]);
+            }
+            acc[0][n][2 * half] = acc[0][n][2 * half + 1] = 0.f;
+        }
+    }
+}
+// The flushed sums back into the accumulator, before its last store.
+template <int X, class RowOf>
+__device__ __forceinline__ void take_back_rows(float (&acc)[1][X][4], const RowOf& out_row, int lane) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const float* row = out_row(half);
+        if (row == nullptr) continue;
+#pragma unroll
+        for (int n = 0; n < X; ++n) {
+            const float2 was = *reinterpret_cast<const float2*>(row + frag_col(lane, n, 0));
+            acc[0][n][2 * half] += was.x;
+            acc[0][n][2 * half + 1] += was.y;
+        }
+    }
+}
 
 // sum + the dot product of two vectors of eight 16-bit values, in order, in fp32.
 __device__ __forceinline__ float dot8_16bit(const uint4& x, const uint4& y, float sum, bool bf16) {
@@ -284,6 +322,12 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
 
     // Pass 2: dQ. Key tile kt sits in stage (kt + 1) % 2; the next one loads during this one.
     float dq[1][OUT / 8][4] = {};
+    // Pol::kFlushSteps: this thread's fp32 rows of dQ (flushed after key tiles kFlushSteps - 1,
+    // 2 kFlushSteps - 1, ..).
+    auto dq_row = [&](int half) -> float* {
+        const int t = q0 + 16 * warp + frag_row(lane, 2 * half);
+        return t < p.T ? reinterpret_cast<float*>(p.dq) + ((b * p.T + t) * p.Hq + h) * DP + col0 : nullptr;
+    };
     auto load_kv = [&](int kt) {   // key tile kt + 1 into the other stage
         if (kt < kt_last) load_kv_tile(kt + 1, ((kt + 1) & 1) ^ 1);
         cp_async_commit();    // (empty on the last tile)
@@ -339,9 +383,18 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
             Pol::settle(dq);
             __syncthreads();   // this stage takes tile kt + 2, issued at the top of the next iteration
         }
+        if constexpr (Pol::kFlushSteps > 0 && !kStats) {
+            if ((kt + 1) % Pol::kFlushSteps == 0) {
+                if constexpr (kBwdEarlyIssue) Pol::template wait<0>(), Pol::settle(dq);   // (still running)
+                flush_rows(dq, dq_row, lane, kt + 1 == Pol::kFlushSteps);
+            }
+        }
     }
     Pol::template wait<0>();
     Pol::settle(dq);
+    if constexpr (Pol::kFlushSteps > 0 && !kStats) {
+        if (kt_last + 1 >= Pol::kFlushSteps) take_back_rows(dq, dq_row, lane);
+    }
     // The inputs' check: Inf or NaN in this CTA's Q tiles, or in its rows of dO or o, which makes
     // delta not finite (so does an fp32 overflow of finite bf16 products: the row-wise kernels
     // take that call too).
@@ -433,6 +486,14 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
     cp_async_commit();
 
     float dk[1][OUT / 8][4] = {}, dv[1][OUT / 8][4] = {};
+    // Pol::kFlushSteps: this thread's fp32 rows of dK and dV (flushed after steps kFlushSteps - 1,
+    // 2 kFlushSteps - 1, ..).
+    auto key_row = [&](float* grad, int half) -> float* {
+        const int j = kw0 + 16 * warp + frag_row(lane, 2 * half);
+        return j < p.T ? grad + ((b * p.T + j) * p.Hkv + kv_head) * DP + col0 : nullptr;
+    };
+    auto dk_row = [&](int half) { return key_row(reinterpret_cast<float*>(p.dk), half); };
+    auto dv_row = [&](int half) { return key_row(reinterpret_cast<float*>(p.dv), half); };
     int step_qt = kt * KG, step_g = 0;   // step i's query tile and head in the group, counted on
     for (int i = 0; i < steps; ++i) {
         const int st = i & 1, q0 = step_qt * kTile;
@@ -508,10 +569,20 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
             Pol::settle(dk);
             __syncthreads();   // stage st takes step i + 2, issued at the top of the next iteration
         }
+        if constexpr (Pol::kFlushSteps > 0) {
+            if ((i + 1) % Pol::kFlushSteps == 0) {
+                if constexpr (kBwdEarlyIssue) Pol::template wait<0>(), Pol::settle(dv), Pol::settle(dk);   // (still running)
+                flush_rows(dk, dk_row, lane, i + 1 == Pol::kFlushSteps);
+                flush_rows(dv, dv_row, lane, i + 1 == Pol::kFlushSteps);
+            }
+        }
     }
     Pol::template wait<0>();
     Pol::settle(dv);
     Pol::settle(dk);
+    if constexpr (Pol::kFlushSteps > 0) {
+        if (steps >= Pol::kFlushSteps) take_back_rows(dk, dk_row, lane), take_back_rows(dv, dv_row, lane);
+    }
     // The inputs' check: Inf or NaN in this CTA's K and V tiles (consecutive in shared memory).
     cp_async_wait<0>();
     __syncthreads();

@@ -141,6 +141,8 @@ template <int DP_> struct X3Products : BwdTmaLoads<kTile, 2 * DP_> {
     static constexpr int kDtype = kGqaFloat32;
     static constexpr int DP = DP_, kRowValues = 2 * DP, kTileHalves = kTile * 2 * DP, kAlign = 1024, kOut = DP;
     static constexpr bool kDeltaGiven = true, kTma = true;
+    // The accumulators into dQ, dK and dV's fp32 rows every 4 steps (bwdmma/kernels.cuh, flush_rows).
+    static constexpr int kFlushSteps = 4;
     static constexpr int kKeyGroups = 1, kRowGroups = 1;
     static constexpr int kLoHalves = DP / 64 * kTile * 64;   // a tile's lo part, past its hi part
     using Out = float;
