@@ -32,8 +32,8 @@ struct GqaParams {
     // Set by the dispatcher only: CTAs of the fp32 tiled kernel to run (1) or skip (0); null = all.
     const uint8_t* redo;
     // Null, or (B, T, Hq) floats for each row's log2 of the sum of 2^(s * log2(e) / sqrt(D)), for a
-    // backward: the 16-bit warp-specialised kernel writes them; where it does not run, the wgmma
-    // unit and the caller fill them with NaN (meaning "not kept").
+    // backward: the 16-bit warp-specialised kernel and the fp32 x3 kernel write them; where they do
+    // not run, the wgmma unit and the caller fill them with NaN (meaning "not kept").
     float* lse2;
 };
 
