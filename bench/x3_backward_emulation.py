@@ -1,0 +1,75 @@
+"""CPU emulation, against float64, of the fp32 backward's x3 unit (kernels/bwdx3/bwdx3.cu; NOTES
+v71): q, k, v and dO each scaled by a power of two (largest |x| into [2^14, 2^15)) and split into
+fp16 hi and lo; S and dP as lo hi + hi lo + hi hi; P times 2^14 and dS times 2^e_ds (from the row
+norm bound |dS| <= |dO| (|V| + |o|)) split the same way for dV, dK and dQ. Products and sums are
+exact (float64), so what it measures is the splits and scales alone, not the tensor core's
+additions. Plain inputs and those of test_gpu_backward_fp32_uneven_magnitudes.
+`python bench/x3_backward_emulation.py`."""
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import reference  # noqa: E402
+
+torch.manual_seed(1)
+def exp_of(amax):
+    """x3_exponent: the power of two that puts amax in [2^14, 2^15)."""
+    if amax == 0: return 0
+    return 14 - math.floor(math.log2(amax))
+def split(x):
+    """A scaled tensor as (hi, lo): fp16 values held in float64, lo from an fp32 subtraction."""
+    hi = x.to(torch.float16).double()
+    lo = (x.float() - hi.float()).to(torch.float16).double()   # fp32 subtraction as on the device
+    return hi, lo
+def x3mm(a, b):
+    """lo hi + hi lo + hi hi of two split operands, exact."""
+    ah, al = a; bh, bl = b
+    return al @ bh + ah @ bl + ah @ bh
+def run(B, T, Hq, Hkv, D, uneven):
+    """Prints the norm-relative error and the worst channel's of dq, dk and dv."""
+    q, k, v = (torch.randn(B, T, H, D, dtype=torch.float64).float() for H in (Hq, Hkv, Hkv))
+    g = torch.randn(B, T, Hq, D, dtype=torch.float64).float()
+    if uneven:
+        q[:, :, 0] *= 1e3; k *= 1e-3; k[..., 1] *= 1e2; v[..., 0] *= 1e-3
+        g *= 1e-6; g[:, T // 2] *= 1e3
+    # float64 reference
+    q64, k64, v64 = (t.double().requires_grad_(True) for t in (q, k, v))
+    o64 = reference.causal_gqa_reference(q64, k64, v64)
+    o64.backward(g.double())
+    o = o64.detach().float()   # the forward's output, as fp32
+    G = Hq // Hkv
+    eq, ek, ev, edo = (exp_of(t.abs().max().item()) for t in (q, k, v, g))
+    Q = split(q.double() * 2**eq); K = split(k.double() * 2**ek); V = split(v.double() * 2**ev); dO = split(g.double() * 2**edo)
+    def heads(t, rep):   # [B, T, H, D] -> [B, Hq, T, D]
+        t = t.permute(0, 2, 1, 3)
+        return t.repeat_interleave(rep, 1) if rep > 1 else t
+    Qh = tuple(heads(x, 1) for x in Q); Kh = tuple(heads(x, G) for x in K); Vh = tuple(heads(x, G) for x in V); dOh = tuple(heads(x, 1) for x in dO)
+    scale = 1 / math.sqrt(D)
+    S = x3mm(Qh, tuple(x.transpose(-1, -2) for x in Kh)) * 2.0**-(eq + ek) * scale
+    mask = torch.ones(T, T, dtype=torch.bool).triu(1)
+    S = S.masked_fill(mask, float('-inf'))
+    P = torch.softmax(S, -1)
+    dP = x3mm(dOh, tuple(x.transpose(-1, -2) for x in Vh))   # scaled by 2^(edo+ev)
+    delta = (g.double() * o.double()).sum(-1).permute(0, 2, 1).unsqueeze(-1) * 2.0**(edo + ev)
+    # bound: max row norms of scaled dO, V, o
+    nd = (g.double() * 2**edo).norm(dim=-1).max().item(); nv = (v.double() * 2**ev).norm(dim=-1).max().item(); no = (o.double() * 2**ev).norm(dim=-1).max().item()
+    eds = 14 - math.ceil(math.log2(nd * (nv + no)))
+    dS = P * (dP - delta)
+    Pp = split(P * 2**14); dSs = split(dS * 2**eds)
+    dV = x3mm(tuple(x.transpose(-1, -2) for x in Pp), dOh) * 2.0**-(14 + edo)
+    dK = x3mm(tuple(x.transpose(-1, -2) for x in dSs), Qh) * 2.0**-(edo + ev + eds + eq) * scale
+    dQ = x3mm(dSs, Kh) * 2.0**-(edo + ev + eds + ek) * scale
+    def sum_group(t):  # [B, Hq, T, D] -> [B, T, Hkv, D]
+        return t.view(B, Hkv, G, T, D).sum(2).permute(0, 2, 1, 3)
+    got = (dQ.permute(0, 2, 1, 3), sum_group(dK), sum_group(dV))
+    for name, a, ref in zip(("dq", "dk", "dv"), got, (q64.grad, k64.grad, v64.grad)):
+        err = ((a - ref).norm() / ref.norm()).item()
+        ch = ((a - ref).pow(2).sum(dim=(0, 1, 2)).sqrt() / ref.pow(2).sum(dim=(0, 1, 2)).sqrt()).max().item()
+        print(name, "rel %.3g worst channel %.3g" % (err, ch), "eds", eds)
+if __name__ == "__main__":
+    for uneven in (False, True):
+        print("uneven" if uneven else "plain")
+        run(1, 1000, 8, 2, 128, uneven)
