@@ -4,7 +4,10 @@ fp16 hi and lo; S and dP as lo hi + hi lo + hi hi; P times 2^14 and dS times 2^e
 norm bound |dS| <= |dO| (|V| + |o|)) split the same way for dV, dK and dQ. Products and sums are
 exact (float64), so what it measures is the splits and scales alone, not the tensor core's
 additions. Plain inputs and those of test_gpu_backward_fp32_uneven_magnitudes.
-`python bench/x3_backward_emulation.py`."""
+With --accumulation: dV's sums over the steps of a long sequence with every k16 chunk added to
+the accumulator rounded toward zero (a model of the tensor core's additions), never flushed or
+flushed into an fp32 sum every 4 or 2 steps (NOTES v72).
+`python bench/x3_backward_emulation.py [--accumulation]`."""
 import math
 import os
 import sys
@@ -69,7 +72,44 @@ def run(B, T, Hq, Hkv, D, uneven):
         err = ((a - ref).norm() / ref.norm()).item()
         ch = ((a - ref).pow(2).sum(dim=(0, 1, 2)).sqrt() / ref.pow(2).sum(dim=(0, 1, 2)).sqrt()).max().item()
         print(name, "rel %.3g worst channel %.3g" % (err, ch), "eds", eds)
+def toward_zero(x):
+    """float64 values rounded to fp32 toward zero (held in float64)."""
+    y = x.float()
+    over = y.double().abs() > x.abs()
+    return torch.where(over, torch.nextafter(y, torch.zeros_like(y)), y).double()
+
+
+def accumulation(T=4097, D=64, G=2, keys=1024):
+    """dV of the first `keys` keys (the longest sums) of one kv head, steps of 64 query rows per
+    head of the group as the dK/dV kernel takes them: norm-relative error against float64 for each
+    flush interval."""
+    q, dout = (torch.randn(G, T, D, dtype=torch.float64) for _ in range(2))
+    k = torch.randn(T, D, dtype=torch.float64)
+    scores = torch.einsum("gtd,sd->gts", q, k) / math.sqrt(D)
+    P = torch.softmax(scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")), -1)[:, :, :keys]
+    exact = torch.einsum("gtk,gtd->kd", P, dout)
+    e = exp_of(dout.abs().max().item())
+    Ps, dOs = split(P * 2**14), split(dout * 2**e)
+    for flush in (0, 4, 2):
+        acc, total, step = torch.zeros(keys, D, dtype=torch.float64), torch.zeros(keys, D, dtype=torch.float64), 0
+        for qt in range((T + 63) // 64):
+            rows = slice(qt * 64, min(qt * 64 + 64, T))
+            for g in range(G):
+                for a, b in ((1, 0), (0, 1), (0, 0)):   # lo hi, hi lo, hi hi
+                    A, B = Ps[a][g, rows].transpose(0, 1), dOs[b][g, rows]
+                    for c in range(0, A.shape[1], 16):
+                        acc = toward_zero(acc + A[:, c:c + 16] @ B[c:c + 16])
+                step += 1
+                if flush and step % flush == 0:
+                    total, acc = (total + acc).float().double(), torch.zeros_like(acc)
+        got = (total + acc) * 2.0**-(14 + e)
+        print("flush every %s steps: dV rel %.3g" % (flush or "no", ((got - exact).norm() / exact.norm()).item()))
+
+
 if __name__ == "__main__":
-    for uneven in (False, True):
-        print("uneven" if uneven else "plain")
-        run(1, 1000, 8, 2, 128, uneven)
+    if "--accumulation" in sys.argv:
+        accumulation()
+    else:
+        for uneven in (False, True):
+            print("uneven" if uneven else "plain")
+            run(1, 1000, 8, 2, 128, uneven)
