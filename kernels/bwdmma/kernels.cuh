@@ -31,7 +31,7 @@ constexpr int kTile = 64;                  // rows of a tile, and columns of a s
 // are issued behind it before the loads of the step after it (which reuse its stage) start:
 // the tensor core need not idle over the step's barrier and copies (bench/NOTES.md v51: with
 // cp.async from every thread the copies then started too late; v70: with TMA from one thread).
-constexpr bool kBwdEarlyIssue = false;
+constexpr bool kBwdEarlyIssue = true;   // the 16-bit policies' Pol::kEarlyIssue
 // The dK/dV kernel reads its step's lse2 and delta (one per query column, in shared memory) into
 // registers before each product's wait, 16 a thread, instead of once per element after it: ncu
 // put 25% of its warp samples on short-scoreboard waits, most at the exponentials' first use of a
@@ -77,6 +77,8 @@ template <bool kBf16> struct Bwd16BitIo {
     static constexpr int kDtype = kBf16 ? kGqaBFloat16 : kGqaFloat16;
     static constexpr bool kDeltaGiven = false;   // the dQ kernel computes delta from dO and o
     static constexpr int kFlushSteps = 0;        // the accumulators stay in registers to the end
+    static constexpr int kDqFlushSteps = 0;
+    static constexpr bool kEarlyIssue = kBwdEarlyIssue;
     static __device__ __forceinline__ BwdIo io(const GqaBwdParams& p) {
         return {static_cast<const uint16_t*>(p.q), static_cast<const uint16_t*>(p.k), static_cast<const uint16_t*>(p.v),
                 static_cast<const uint16_t*>(p.dout), p.scale_log2, 1.f, 1.f, 0, 0, 0, 0};
@@ -86,11 +88,14 @@ template <bool kBf16> struct Bwd16BitIo {
     static __device__ __forceinline__ void store2(Out* out, float a, float b, int) { store_pair(out, a, b, kBf16); }
 };
 
-// Pol::kFlushSteps > 0 (fp32 outputs): every kFlushSteps steps a kernel adds its accumulator into
+// Pol::kFlushSteps, kDqFlushSteps > 0 (fp32 outputs): every kFlushSteps steps (the dQ kernel:
+// kDqFlushSteps key tiles) a kernel adds its accumulator into
 // the gradient's fp32 rows (in fp32, rounded to nearest) and restarts it from zero. The tensor
 // core's own additions do not round to nearest, and over the hundreds of steps of a long sequence
 // their bias reached 4e-5 of dK and dV (bench/NOTES.md v71). out_row(half) is the thread's fp32 row
-// of accumulator rows frag_row(lane, 2 half), or null past T; `first`: store instead of add.
+// of accumulator rows frag_row(lane, 2 half), or null past T; `first`: store instead of add. The
+// adds are reductions in L2 (nothing comes back, so nothing waits for a load: v74); only this
+// thread touches its rows, in program order, so the sums are the same on every run.
 template <int X, class RowOf>
 __device__ __forceinline__ void flush_rows(float (&acc)[1][X][4], const RowOf& out_row, int lane, bool first) {
 #pragma unroll
@@ -100,8 +105,9 @@ __device__ __forceinline__ void flush_rows(float (&acc)[1][X][4], const RowOf& o
         for (int n = 0; n < X; ++n) {
             if (row != nullptr) {
                 float2* at = reinterpret_cast<float2*>(row + frag_col(lane, n, 0));
-                const float2 was = first ? make_float2(0.f, 0.f) : *at;
-                *at = make_float2(was.x + acc[0][n][2 * half], was.y + acc[0][n][2 * half + 1]);
+                const float2 add = make_float2(acc[0][n][2 * half], acc[0][n][2 * half + 1]);
+                if (first) __stcg(at, add);
+                else atomicAdd(at, add);
             }
             acc[0][n][2 * half] = acc[0][n][2 * half + 1] = 0.f;
         }
@@ -116,7 +122,7 @@ __device__ __forceinline__ void take_back_rows(float (&acc)[1][X][4], const RowO
         if (row == nullptr) continue;
 #pragma unroll
         for (int n = 0; n < X; ++n) {
-            const float2 was = *reinterpret_cast<const float2*>(row + frag_col(lane, n, 0));
+            const float2 was = __ldcg(reinterpret_cast<const float2*>(row + frag_col(lane, n, 0)));
             acc[0][n][2 * half] += was.x;
             acc[0][n][2 * half + 1] += was.y;
         }
@@ -322,8 +328,8 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
 
     // Pass 2: dQ. Key tile kt sits in stage (kt + 1) % 2; the next one loads during this one.
     float dq[1][OUT / 8][4] = {};
-    // Pol::kFlushSteps: this thread's fp32 rows of dQ (flushed after key tiles kFlushSteps - 1,
-    // 2 kFlushSteps - 1, ..).
+    // Pol::kDqFlushSteps: this thread's fp32 rows of dQ (flushed after key tiles kDqFlushSteps - 1,
+    // 2 kDqFlushSteps - 1, ..).
     auto dq_row = [&](int half) -> float* {
         const int t = q0 + 16 * warp + frag_row(lane, 2 * half);
         return t < p.T ? reinterpret_cast<float*>(p.dq) + ((b * p.T + t) * p.Hq + h) * DP + col0 : nullptr;
@@ -334,20 +340,20 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
     };
     for (int kt = 0; kt <= (kStats ? -1 : kt_last); ++kt) {
         const int st = (kt + 1) & 1;
-        if (!kBwdEarlyIssue && !kTmaKv) load_kv(kt);
-        cp_async_wait<kBwdEarlyIssue || kTmaKv ? 0 : 1>();   // key tile kt has landed (kTma: Q and dO)
+        if (!Pol::kEarlyIssue && !kTmaKv) load_kv(kt);
+        cp_async_wait<Pol::kEarlyIssue || kTmaKv ? 0 : 1>();   // key tile kt has landed (kTma: Q and dO)
         Pol::landed();
-        // (kTma with kBwdEarlyIssue: only Q and dO need it, and the tile's stage was freed by the
+        // (kTma with Pol::kEarlyIssue: only Q and dO need it, and the tile's stage was freed by the
         // barrier in the middle of the tile before)
-        if (!(kTmaKv && kBwdEarlyIssue) || kt == 0) __syncthreads();
+        if (!(kTmaKv && Pol::kEarlyIssue) || kt == 0) __syncthreads();
         if constexpr (kTmaKv) Pol::await_step(&landed_bar[st], uint32_t((kt >> 1) & 1));
         float s[1][kTile / 8][4], dp[1][kTile / 8][4];
         Pol::qk_issue(s, q_tile, k_of(st), warp, lane);
         Pol::qk_issue(dp, do_tile, v_of(st), warp, lane);
         // kTma: tile kt + 1 goes out under the products (its stage was freed by the barrier that
-        // ended tile kt - 1; with kBwdEarlyIssue by the one below).
-        if constexpr (kTmaKv && !kBwdEarlyIssue) load_kv(kt);
-        if (kBwdEarlyIssue) {
+        // ended tile kt - 1; with Pol::kEarlyIssue by the one below).
+        if constexpr (kTmaKv && !Pol::kEarlyIssue) load_kv(kt);
+        if (Pol::kEarlyIssue) {
             Pol::template wait<2>();   // the last tile's dQ product: its stage is free
             Pol::settle(dq);
             __syncthreads();
@@ -378,22 +384,22 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
             for (int e = 0; e < 4; ++e) s[0][n][e] *= dp[0][n][e] - delta[e >> 1];   // dS
         uint32_t pa[kTile / 16][4];
         Pol::pv_issue(dq, pa, s, Pol::columns(k_of(st), col0), lane, io.ds_mul);
-        if (!kBwdEarlyIssue) {
+        if (!Pol::kEarlyIssue) {
             Pol::template wait<0>();
             Pol::settle(dq);
             __syncthreads();   // this stage takes tile kt + 2, issued at the top of the next iteration
         }
-        if constexpr (Pol::kFlushSteps > 0 && !kStats) {
-            if ((kt + 1) % Pol::kFlushSteps == 0) {
-                if constexpr (kBwdEarlyIssue) Pol::template wait<0>(), Pol::settle(dq);   // (still running)
-                flush_rows(dq, dq_row, lane, kt + 1 == Pol::kFlushSteps);
+        if constexpr (Pol::kDqFlushSteps > 0 && !kStats) {
+            if ((kt + 1) % Pol::kDqFlushSteps == 0) {
+                if constexpr (Pol::kEarlyIssue) Pol::template wait<0>(), Pol::settle(dq);   // (still running)
+                flush_rows(dq, dq_row, lane, kt + 1 == Pol::kDqFlushSteps);
             }
         }
     }
     Pol::template wait<0>();
     Pol::settle(dq);
-    if constexpr (Pol::kFlushSteps > 0 && !kStats) {
-        if (kt_last + 1 >= Pol::kFlushSteps) take_back_rows(dq, dq_row, lane);
+    if constexpr (Pol::kDqFlushSteps > 0 && !kStats) {
+        if (kt_last + 1 >= Pol::kDqFlushSteps) take_back_rows(dq, dq_row, lane);
     }
     // The inputs' check: Inf or NaN in this CTA's Q tiles, or in its rows of dO or o, which makes
     // delta not finite (so does an fp32 overflow of finite bf16 products: the row-wise kernels
@@ -498,15 +504,15 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
     for (int i = 0; i < steps; ++i) {
         const int st = i & 1, q0 = step_qt * kTile;
         if (++step_g == p.group) step_g = 0, ++step_qt;
-        if (!kBwdEarlyIssue && !Pol::kTma) {
+        if (!Pol::kEarlyIssue && !Pol::kTma) {
             if (i + 1 < steps) load_next(st ^ 1);
             cp_async_commit();    // (empty on the last step)
         }
-        cp_async_wait<kBwdEarlyIssue ? 0 : 1>();   // step i has landed (kTma: K and V)
+        cp_async_wait<Pol::kEarlyIssue ? 0 : 1>();   // step i has landed (kTma: K and V)
         Pol::landed();
-        // (kTma with kBwdEarlyIssue: only K and V need it, and the step's stage was freed by the
+        // (kTma with Pol::kEarlyIssue: only K and V need it, and the step's stage was freed by the
         // barrier in the middle of the step before)
-        if (!(Pol::kTma && kBwdEarlyIssue) || i == 0) __syncthreads();
+        if (!(Pol::kTma && Pol::kEarlyIssue) || i == 0) __syncthreads();
         if constexpr (Pol::kTma) Pol::await_step(&landed_bar[st], uint32_t((i >> 1) & 1));
         const float* lse2_t = lse2_s(st);
         const float* delta_t = delta_s(st);
@@ -514,12 +520,12 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
         Pol::qk_issue(s, k_tile, q_tile(st), warp, lane);     // S^T
         Pol::qk_issue(dp, v_tile, do_tile(st), warp, lane);   // dP^T
         // kTma: step i + 1's copies go out under the products (its stage was freed by the barrier
-        // that ended step i - 1; with kBwdEarlyIssue by the one below), so the issuing warp does
+        // that ended step i - 1; with Pol::kEarlyIssue by the one below), so the issuing warp does
         // not hold up this step's barrier.
-        if constexpr (Pol::kTma && !kBwdEarlyIssue) {
+        if constexpr (Pol::kTma && !Pol::kEarlyIssue) {
             if (i + 1 < steps) load_next(st ^ 1);
         }
-        if (kBwdEarlyIssue) {
+        if (Pol::kEarlyIssue) {
             Pol::template wait<2>();   // the last step's dV and dK: its stage is free
             Pol::settle(dv);
             Pol::settle(dk);
@@ -563,7 +569,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
 #pragma unroll
             for (int e = 0; e < 4; ++e) dp[0][n][e] = s[0][n][e] * (dp[0][n][e] - stat_of(delta_t, n, e));   // dS^T
         Pol::pv_issue(dk, pa2, dp, Pol::columns(q_tile(st), col0), lane, io.ds_mul);   // dK += dS^T Q
-        if (!kBwdEarlyIssue) {
+        if (!Pol::kEarlyIssue) {
             Pol::template wait<0>();
             Pol::settle(dv);
             Pol::settle(dk);
@@ -571,7 +577,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
         }
         if constexpr (Pol::kFlushSteps > 0) {
             if ((i + 1) % Pol::kFlushSteps == 0) {
-                if constexpr (kBwdEarlyIssue) Pol::template wait<0>(), Pol::settle(dv), Pol::settle(dk);   // (still running)
+                if constexpr (Pol::kEarlyIssue) Pol::template wait<0>(), Pol::settle(dv), Pol::settle(dk);   // (still running)
                 flush_rows(dk, dk_row, lane, i + 1 == Pol::kFlushSteps);
                 flush_rows(dv, dv_row, lane, i + 1 == Pol::kFlushSteps);
             }

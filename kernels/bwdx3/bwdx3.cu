@@ -141,8 +141,13 @@ template <int DP_> struct X3Products : BwdTmaLoads<kTile, 2 * DP_> {
     static constexpr int kDtype = kGqaFloat32;
     static constexpr int DP = DP_, kRowValues = 2 * DP, kTileHalves = kTile * 2 * DP, kAlign = 1024, kOut = DP;
     static constexpr bool kDeltaGiven = true, kTma = true;
-    // The accumulators into dQ, dK and dV's fp32 rows every 4 steps (bwdmma/kernels.cuh, flush_rows).
-    static constexpr int kFlushSteps = 4;
+    // The accumulators into the fp32 rows of dK and dV every 4 steps, of dQ every 2 key tiles
+    // (bwdmma/kernels.cuh, flush_rows; bench/NOTES.md v72, v74): 12 wgmma additions a step, each
+    // truncating, so at most 48 and 24 of them between additions rounded to nearest.
+    static constexpr int kFlushSteps = 4, kDqFlushSteps = 2;
+    // The next step's products are not issued behind this step's last one (kBwdEarlyIssue): with
+    // one warpgroup an SM at width 128 that lost 1.2x here (v74).
+    static constexpr bool kEarlyIssue = false;
     static constexpr int kKeyGroups = 1, kRowGroups = 1;
     static constexpr int kLoHalves = DP / 64 * kTile * 64;   // a tile's lo part, past its hi part
     using Out = float;
