@@ -7,7 +7,9 @@ additions. Plain inputs and those of test_gpu_backward_fp32_uneven_magnitudes.
 With --accumulation: dV's sums over the steps of a long sequence with every k16 chunk added to
 the accumulator rounded toward zero (a model of the tensor core's additions), never flushed or
 flushed into an fp32 sum every 4 or 2 steps (NOTES v72).
-`python bench/x3_backward_emulation.py [--accumulation]`."""
+With --delta: on the uneven inputs, exact arithmetic except delta = rowsum(dO o) from an o off by
+a given relative noise per element (the forward's error), against delta = sum P dP (NOTES v74).
+`python bench/x3_backward_emulation.py [--accumulation | --delta]`."""
 import math
 import os
 import sys
@@ -106,9 +108,34 @@ def accumulation(T=4097, D=64, G=2, keys=1024):
         print("flush every %s steps: dV rel %.3g" % (flush or "no", ((got - exact).norm() / exact.norm()).item()))
 
 
+def delta_sensitivity(B=1, T=1000, Hq=8, Hkv=2, D=128):
+    """dq's norm-relative error on the uneven inputs when everything is exact but the o that delta
+    is taken from: exact, rounded to fp32, or with relative noise per element."""
+    q, k, v = (torch.randn(B, T, H, D, dtype=torch.float64) for H in (Hq, Hkv, Hkv))
+    g = torch.randn(B, T, Hq, D, dtype=torch.float64)
+    q[:, :, 0] *= 1e3; k *= 1e-3; k[..., 1] *= 1e2; v[..., 0] *= 1e-3
+    g *= 1e-6; g[:, T // 2] *= 1e3
+    G = Hq // Hkv
+    kk, vv = k.repeat_interleave(G, 2), v.repeat_interleave(G, 2)
+    s = torch.einsum("bthd,bshd->bhts", q, kk) / math.sqrt(D)
+    P = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+    o = torch.einsum("bhts,bshd->bthd", P, vv)
+    dP = torch.einsum("bthd,bshd->bhts", g, vv)
+    def dq_of(delta):   # delta [B, Hq, T, 1]
+        return torch.einsum("bhts,bshd->bthd", P * (dP - delta), kk) / math.sqrt(D)
+    exact = dq_of((P * dP).sum(-1, keepdim=True))
+    cases = [("o exact", o), ("o rounded to fp32", o.float().double())]
+    cases += [("o with %.2g relative noise" % r, o * (1 + r * torch.randn_like(o))) for r in (2.5e-7, 5e-7, 1e-6)]
+    for name, oo in cases:
+        dq = dq_of((g * oo).sum(-1).transpose(1, 2).unsqueeze(-1))
+        print("%s: dq rel %.3g" % (name, ((dq - exact).norm() / exact.norm()).item()))
+
+
 if __name__ == "__main__":
     if "--accumulation" in sys.argv:
         accumulation()
+    elif "--delta" in sys.argv:
+        delta_sensitivity()
     else:
         for uneven in (False, True):
             print("uneven" if uneven else "plain")
