@@ -1638,6 +1638,13 @@ def tensor_core_backward(T, D=64):
     return "bwdmma" if D in (64, 128) else None
 
 
+def fp32_backward_plan(T, D):
+    """The fp32 backward's plan for T steps at head_dim D: the x3 unit (three fp16 wgmma products
+    per product) where the 16-bit wgmma unit runs, at head_dim 64 and 128; the row-wise kernels
+    otherwise (kernels/attention.cu)."""
+    return "bwdx3/fp32/d%d" % D if tensor_core_backward(T, D) == "bwdwg" and D in (64, 128) else "backward/fp32"
+
+
 def project_grads(q, k, v, grad_out):
     q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     gqa_module.causal_gqa_attention(q, k, v).backward(grad_out)
@@ -1660,7 +1667,7 @@ def test_gpu_backward_fp32_matches_float64(B, T, Hq, Hkv, D):
     """fp32 gradients: norm-relative error at most 1e-5 for each of dq, dk, dv, and no head-dim
     channel off by more than 1e-4 of its own norm."""
     q, k, v = make_qkv(B, T, Hq, Hkv, D, device="cuda")
-    assert gqa_module.backward_plan(q, k, v) == "backward/fp32"
+    assert gqa_module.backward_plan(q, k, v) == fp32_backward_plan(T, D)
     grad_out = torch.randn_like(q)
     exact = reference_grads(q, k, v, grad_out)
     for name, got, ref in zip(("dq", "dk", "dv"), project_grads(q, k, v, grad_out), exact):
@@ -1677,6 +1684,33 @@ def test_gpu_backward_fp32_matches_float64(B, T, Hq, Hkv, D):
                 bound = bound.view(B, T, Hkv, Hq // Hkv).sum(dim=-1)
             assert (got.norm(dim=-1) <= 1e-5 * bound).all(), name
             continue
+        err, worst = rel_err(got, ref), channel_rel_errs(got, ref).max().item()
+        print("%s rel %.3g, worst channel %.3g" % (name, err, worst))
+        assert err <= 1e-5, name
+        assert worst <= 1e-4, name
+
+
+@needs_gpu
+@pytest.mark.parametrize("B, T, Hq, Hkv, D", [(1, 1000, 8, 2, 128), (2, 300, 6, 3, 64), (1, 4097, 4, 1, 128)])
+def test_gpu_backward_fp32_uneven_magnitudes(B, T, Hq, Hkv, D):
+    """fp32 gradients where the inputs' magnitudes differ by orders: one query head 1e3 larger
+    than the others, keys 1e-3 smaller with one channel 1e2 larger than the rest, one channel of v
+    1e-3 smaller, grad_out at 1e-6 (a loss scaled down) with one query row 1e3 larger. The scores
+    stay within tens, where fp32 itself keeps the softmax to about 1e-6. Against float64:
+    norm-relative error at most 1e-5 for each of dq, dk, dv, and no head-dim channel off by more
+    than 1e-4 of its own norm (where a power-of-two scale per tensor, as the x3 unit takes, would
+    cost the small heads, channels or rows their bits)."""
+    q, k, v = make_qkv(B, T, Hq, Hkv, D, device="cuda")
+    assert gqa_module.backward_plan(q, k, v) == fp32_backward_plan(T, D)
+    q[:, :, 0] *= 1e3
+    k *= 1e-3
+    k[..., 1] *= 1e2
+    v[..., 0] *= 1e-3
+    grad_out = torch.randn_like(q) * 1e-6
+    grad_out[:, T // 2] *= 1e3
+    exact = reference_grads(q, k, v, grad_out)
+    for name, got, ref in zip(("dq", "dk", "dv"), project_grads(q, k, v, grad_out), exact):
+        assert torch.isfinite(got).all(), name
         err, worst = rel_err(got, ref), channel_rel_errs(got, ref).max().item()
         print("%s rel %.3g, worst channel %.3g" % (name, err, worst))
         assert err <= 1e-5, name
@@ -1722,14 +1756,15 @@ def test_gpu_backward_is_deterministic(dtype, T):
 
 
 @needs_gpu
-@pytest.mark.parametrize("dtype, D, T", [(torch.float32, 16, 140), (torch.bfloat16, 64, 120), (torch.bfloat16, 64, 140),
+@pytest.mark.parametrize("dtype, D, T", [(torch.float32, 16, 140), (torch.float32, 64, 140), (torch.float32, 128, 200),
+                                         (torch.bfloat16, 64, 120), (torch.bfloat16, 64, 140),
                                          (torch.float16, 128, 120), (torch.float16, 128, 140), (torch.bfloat16, 256, 140)])
 def test_gpu_backward_nonfinite_like_reference(dtype, D, T):
     """Inf and NaN in q, k and v: the gradients are NaN exactly where float64 autograd's are, and
     close to them elsewhere (fp32: allclose 1e-4; 16-bit: norm-relative 2e-2)."""
     q, k, v = make_qkv(1, T, 4, 2, D, device="cuda", dtype=dtype)
     name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-    plan = "backward/fp32" if dtype == torch.float32 else "%s/%s/d%d" % (tensor_core_backward(T, D), name, D)
+    plan = fp32_backward_plan(T, D) if dtype == torch.float32 else "%s/%s/d%d" % (tensor_core_backward(T, D), name, D)
     assert gqa_module.backward_plan(q, k, v) == plan
     q[0, 5, 1, 3] = float("inf")
     k[0, 9, 0, 2] = float("-inf")
@@ -1833,15 +1868,16 @@ def test_gpu_backward_long_sequence_scratch_memory():
 
 
 @needs_gpu
-@pytest.mark.parametrize("dtype, D, layout", [(torch.bfloat16, 128, "packed"), (torch.float16, 64, "packed"),
-                                              (torch.bfloat16, 128, "broadcast"), (torch.float32, 64, "packed")])
-def test_gpu_forward_keeps_log_sum_exp_for_the_backward(dtype, D, layout):
+@pytest.mark.parametrize("dtype, D, layout, T", [(torch.bfloat16, 128, "packed", 300), (torch.float16, 64, "packed", 300),
+                                                 (torch.bfloat16, 128, "broadcast", 300), (torch.float32, 64, "packed", 300),
+                                                 (torch.float32, 64, "packed", 1000)])
+def test_gpu_forward_keeps_log_sum_exp_for_the_backward(dtype, D, layout, T):
     """The forward of a call a backward will follow keeps each row's log2-sum-exp2 where the
-    warp-specialised kernel runs (within 1e-3 of float64), and NaN ("not kept") elsewhere: the
-    fp32 plans. Kv heads broadcast by expand may take either path; whichever it is, every row is
-    NaN or every row is right. The gradients taking it match those of the backward's own first
-    pass."""
-    B, T, Hq, Hkv = 2, 300, 8, 2
+    warp-specialised kernel or the fp32 x3 kernel runs (within 1e-3 of float64), and NaN ("not
+    kept") elsewhere: the other fp32 plans. Kv heads broadcast by expand may take either path;
+    whichever it is, every row is NaN or every row is right. The gradients taking it match those
+    of the backward's own first pass."""
+    B, Hq, Hkv = 2, 8, 2
     q, k, v = make_qkv(B, T, Hq, Hkv if layout == "packed" else 1, D, device="cuda", dtype=dtype)
     if layout == "broadcast":
         k, v = k.expand(B, T, Hkv, D), v.expand(B, T, Hkv, D)
@@ -1851,7 +1887,9 @@ def test_gpu_forward_keeps_log_sum_exp_for_the_backward(dtype, D, layout):
     kept = not torch.isnan(lse2).all().item()
     print("plan %s, lse2 kept: %s" % (gqa_module.plan(q, k, v), kept))
     if dtype == torch.float32:
-        assert not kept
+        assert kept == gqa_module.plan(q, k, v).startswith("x3/")
+        if T == 1000 and tensor_core_backward(T, D) == "bwdwg":   # an sm_90a build on an H100/H200
+            assert kept, "the fp32 x3 forward keeps lse2 (plan %s)" % gqa_module.plan(q, k, v)
     elif layout == "packed":
         assert kept, "the 16-bit forward on packed inputs keeps lse2"
     if kept:
@@ -1937,7 +1975,7 @@ def test_sanitizer_cases_take_their_plans_and_cover_every_plan():
     plans = set(gqa_module.all_plans())
     assert declared == plans, "plans without a case: %s; declared plans no build has: %s" % (
         sorted(plans - declared), sorted(declared - plans))
-    plans |= {"backward/fp32", "backward/fp16", "backward/bf16"} | {
+    plans |= {"backward/fp32", "backward/fp16", "backward/bf16", "bwdx3/fp32/d64", "bwdx3/fp32/d128"} | {
         "%s/%s/d%d" % (family, dtype, width) for family in ("bwdmma", "bwdwg") for dtype in ("fp16", "bf16")
         for width in ((64, 128, 256) if family == "bwdwg" else (64, 128))}
     assert set(sanitize.BACKWARD_PLANS) == plans - declared

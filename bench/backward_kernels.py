@@ -2,7 +2,7 @@
 profiler, at the benchmark's backward shapes or one given shape (GPU only). The benchmark times
 the backward as a whole; this says which kernel a change should aim at.
 
-    python3 bench/backward_kernels.py [B T Hq Hkv D] [--dtype bf16|fp16] [--calls N]
+    python3 bench/backward_kernels.py [B T Hq Hkv D] [--dtype bf16|fp16|fp32] [--calls N]
 """
 import argparse
 import collections
@@ -42,10 +42,10 @@ def kernel_times(shape, dtype, calls):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("shape", nargs="*", type=int)
-    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--calls", type=int, default=10)
     args = parser.parse_args()
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     for shape in [tuple(args.shape)] if args.shape else SHAPES:
         times = kernel_times(shape, dtype, args.calls)
         whole = sum(us for us, _ in times.values())

@@ -108,7 +108,7 @@ CASE_FIELDS = ("plan", "B", "T", "Hq", "Hkv", "D", "dtype", "aligned", "allow_tf
 
 # The backward: forward and backward through autograd, each gradient checked against float64
 # autograd of the reference. 16-bit at head_dim 64 and 128 takes the mma.sync unit up to 128 steps
-# and the wgmma unit beyond, on an H200.
+# and the wgmma unit beyond, on an H200; fp32 at 64 and 128 takes the x3 unit beyond 128 steps.
 BACKWARD_CASES = (
     ("backward/fp32",             1,  45,  6,  2,   7, "fp32", True,  False),  # odd D, G = 3
     ("backward/fp32",             1,  70,  2,  1, 256, "fp32", True,  False),  # 8 elements a lane
@@ -124,6 +124,8 @@ BACKWARD_CASES = (
     ("bwdwg/bf16/d128",           1, 257,  8,  2, 128, "bf16", True,  False),
     ("bwdwg/fp16/d256",           1, 130,  4,  2, 256, "fp16", True,  False),  # 3 tiles, the last of 2 rows
     ("bwdwg/bf16/d256",           2, 193,  2,  2, 256, "bf16", False, False),  # offset rows, MHA
+    ("bwdx3/fp32/d64",            1, 129,  6,  2,  64, "fp32", True,  False),  # 3 tiles, the last ragged, G = 3
+    ("bwdx3/fp32/d128",           2, 200,  4,  4, 128, "fp32", False, False),  # offset rows, MHA
 )
 
 

@@ -3,10 +3,11 @@ stage count): each variant is a copy of this checkout with text replaced in kern
 timed in its own process, so every variant builds its own units (all variants' builds run at
 once first, then the timings one at a time).
 
-    python3 bench/variants.py --out variants.json [--only NAME,...] [--timeout 300]
+    python3 bench/variants.py --out variants.json [--only NAME,...] [--timeout 300] [--dtype fp32]
 
 A variant whose replacement text is not found fails before anything runs. Times are CUDA-event
-timings of back-to-back calls (bf16; the best of 3 repeats of 30 calls), with a max-abs error
+timings of back-to-back calls (bf16, or with --dtype fp32 the fp32 backward alone; the best of 3
+repeats of 30 calls), with a max-abs error
 against SDPA in fp32 on the small shapes, so a broken variant shows; the backward rows time a
 forward and backward and subtract the forward, and give the gradients' error against float64 on
 a ragged slice of the shape (T = 333). The benchmark (bench_gqa.py) and the GPU tests
@@ -24,6 +25,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WS = "kernels/ws/kernel.cuh"
 FUSED = ("kernels/gqa_params.h", "kGqaFusedBackward = false;", "kGqaFusedBackward = true;")
 DQ_ADD = ("kernels/bwdwg/fused.cuh", "kDqAdd = DqAdd::kTurn;")   # the fused kernel's dQ add (FusedTraits)
+X3 = "kernels/bwdx3/bwdx3.cu"
 BWD_CP_ASYNC = ("kernels/bwdwg/bwdwg.cu", "static constexpr bool kTma = true;", "static constexpr bool kTma = false;")
 
 # name -> [(file, old text, new text)]; "base" is the checkout as it is. Timed in this order.
@@ -51,7 +53,10 @@ VARIANTS = {
     "bwd_keys_and_rows_128": [("kernels/bwdwg/bwdwg.cu", "kKeyGroups = 1;", "kKeyGroups = DP == 256 ? 1 : 2;"),
                               ("kernels/bwdwg/bwdwg.cu", "kRowGroups = 1;", "kRowGroups = DP == 256 ? 1 : 2;")],
     "bwd_keys_128_cp_async": [("kernels/bwdwg/bwdwg.cu", "kKeyGroups = 1;", "kKeyGroups = DP == 256 ? 1 : 2;"), BWD_CP_ASYNC],
-    "bwd_early_issue": [("kernels/bwdmma/kernels.cuh", "kBwdEarlyIssue = false;", "kBwdEarlyIssue = true;"), BWD_CP_ASYNC],
+    "bwd_late_issue": [("kernels/bwdmma/kernels.cuh", "kBwdEarlyIssue = true;", "kBwdEarlyIssue = false;")],
+    "x3_flush_8": [(X3, "kFlushSteps = 4, kDqFlushSteps = 2;", "kFlushSteps = 8, kDqFlushSteps = 8;")],
+    "x3_no_flush": [(X3, "kFlushSteps = 4, kDqFlushSteps = 2;", "kFlushSteps = 0, kDqFlushSteps = 0;")],
+    "x3_early_issue": [(X3, "kEarlyIssue = false;", "kEarlyIssue = true;")],
     "bwd_stats_from_shared": [("kernels/bwdmma/kernels.cuh", "kBwdStatsInRegs = true;", "kBwdStatsInRegs = false;")],
     "no_l2_sections": [(WS, "kL2SectionBytes = int64_t(24) << 20;", "kL2SectionBytes = 0;")],
     "l2_sections_12mb": [(WS, "kL2SectionBytes = int64_t(24) << 20;", "kL2SectionBytes = int64_t(12) << 20;")],
@@ -59,6 +64,8 @@ VARIANTS = {
     "l2_sections_always": [(WS, "pairs * pair_bytes > 2 * Tr::kL2SectionBytes;", "true;")],
 }
 BACKWARD_SHAPES = [(4, 1024, 32, 8, 128), (1, 8192, 32, 8, 128), (16, 2048, 32, 8, 64), (1, 2048, 16, 4, 256)]
+# --dtype fp32: the fp32 backward alone, at the shapes of its bar, its error on a long slice.
+FP32_BACKWARD_SHAPES = [(4, 1024, 32, 8, 128), (1, 8192, 32, 8, 128), (16, 2048, 32, 8, 64)]
 
 SHAPES = [(1, 1000, 6, 2, 64), (1, 1024, 8, 2, 128), (1, 777, 4, 1, 256),
           (4, 1024, 32, 8, 128), (1, 8192, 32, 8, 128), (16, 2048, 32, 8, 64),
@@ -81,8 +88,9 @@ def best_ms(fn, calls=30):
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / calls)
     return min(times)
+dtype, slice_t = getattr(torch, sys.argv[3]), int(sys.argv[4])
 for B, T, Hq, Hkv, D in json.loads(sys.argv[2]):
-    q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16).requires_grad_(True) for H in (Hq, Hkv, Hkv))
+    q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=dtype).requires_grad_(True) for H in (Hq, Hkv, Hkv))
     grad = torch.randn_like(q)
     def both():
         torch.autograd.grad(g.causal_gqa_attention(q, k, v), (q, k, v), grad)
@@ -91,8 +99,9 @@ for B, T, Hq, Hkv, D in json.loads(sys.argv[2]):
     ms = best_ms(both, 10) - fwd
     # The gradients of a ragged slice of the shape against float64 autograd of SDPA on expanded k, v
     # (the largest norm-relative error of dq, dk, dv), so a broken backward variant shows.
+    # (T = 333 in 16-bit; 4097 in fp32, where the sums' length matters.)
     G, hk = Hq // Hkv, min(Hkv, 2)
-    small = [x.detach()[:1, :333, :heads].contiguous() for x, heads in ((q, hk * G), (k, hk), (v, hk))]
+    small = [x.detach()[:1, :slice_t, :heads].contiguous() for x, heads in ((q, hk * G), (k, hk), (v, hk))]
     leaves = [x.clone().requires_grad_(True) for x in small]
     exact = [x.double().requires_grad_(True) for x in small]
     gs = torch.randn_like(small[0])
@@ -135,7 +144,7 @@ for B, T, Hq, Hkv, D in json.loads(sys.argv[1]):
     k, v = (torch.randn(B, T, Hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     g.causal_gqa_attention(q, k, v)
 for B, T, Hq, Hkv, D in json.loads(sys.argv[2]):
-    q, k, v = (torch.randn(1, 256, H, D, device="cuda", dtype=torch.bfloat16).requires_grad_(True) for H in (Hq, Hkv, Hkv))
+    q, k, v = (torch.randn(1, 256, H, D, device="cuda", dtype=getattr(torch, sys.argv[3])).requires_grad_(True) for H in (Hq, Hkv, Hkv))
     torch.autograd.grad(g.causal_gqa_attention(q, k, v), (q, k, v), torch.randn_like(q))
 torch.cuda.synchronize()
 """
@@ -160,6 +169,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="where to write the JSON")
     parser.add_argument("--only", help="comma-separated variant names")
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
+                        help="fp32: the fp32 backward alone (FP32_BACKWARD_SHAPES), no forward rows")
     parser.add_argument("--timeout", type=int, default=300,
                         help="seconds for the builds (all variants at once), then for each variant's timing")
     args = parser.parse_args()
@@ -170,7 +181,9 @@ def main():
     root = tempfile.mkdtemp(prefix="gqa-variants-")
     copies = {name: make_copy(name, VARIANTS[name], root) for name in names}   # every edit checked first
     results = {}
-    warm = {name: subprocess.Popen([sys.executable, "-c", WARM, json.dumps(SHAPES), json.dumps(BACKWARD_SHAPES)],
+    shapes, bwd_shapes = (SHAPES, BACKWARD_SHAPES) if args.dtype == "bf16" else ([], FP32_BACKWARD_SHAPES)
+    dtype, slice_t = ("bfloat16", "333") if args.dtype == "bf16" else ("float32", "4097")
+    warm = {name: subprocess.Popen([sys.executable, "-c", WARM, json.dumps(shapes), json.dumps(bwd_shapes), dtype],
                                    cwd=copies[name], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for name in names}
     for name, proc in warm.items():
@@ -185,7 +198,7 @@ def main():
     for name in [n for n in names if n not in results]:
         print("== %s" % name, flush=True)
         try:
-            run = subprocess.run([sys.executable, "-c", TIMER, json.dumps(SHAPES), json.dumps(BACKWARD_SHAPES)],
+            run = subprocess.run([sys.executable, "-c", TIMER, json.dumps(shapes), json.dumps(bwd_shapes), dtype, slice_t],
                                  cwd=copies[name],
                                  capture_output=True, text=True, timeout=args.timeout)
             lines = [l for l in run.stdout.splitlines() if l.startswith("RESULT ")]

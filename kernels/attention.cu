@@ -133,12 +133,16 @@ namespace {
 // The wgmma unit at head_dim 256 too (two CTAs a tile, each half of the output columns; bench/NOTES.md
 // v45).
 constexpr bool kWgAt256 = true;
-enum BwdKind { kBwdRows = 0, kBwdMma = 1, kBwdWg = 2 };
+// fp32 at head_dim 64 and 128 on the x3 unit (bwdx3/: three fp16 wgmma products per product) where
+// the wgmma one runs (bench/NOTES.md v71).
+constexpr bool kX3Backward = true;
+enum BwdKind { kBwdRows = 0, kBwdMma = 1, kBwdWg = 2, kBwdX3 = 3 };
 BwdKind backward_kind(const GqaBwdParams& p) {
     const bool narrow = p.D == 64 || p.D == 128;
-    if (p.dtype == kGqaFloat32 || !(narrow || (kWgAt256 && p.D == 256))) return kBwdRows;
+    if (p.dtype == kGqaFloat32 ? !(kX3Backward && narrow) : !(narrow || (kWgAt256 && p.D == 256))) return kBwdRows;
     int dev = 0;
     const bool wg = kHaveWgmma && p.T > kRowwiseMaxT && cudaGetDevice(&dev) == cudaSuccess && cc_major(dev) == 9;
+    if (p.dtype == kGqaFloat32) return wg ? kBwdX3 : kBwdRows;
     return wg ? kBwdWg : narrow ? kBwdMma : kBwdRows;
 }
 int width_index(int width) { return width == 64 ? 0 : width == 128 ? 1 : 2; }
@@ -146,9 +150,10 @@ const char* backward_unit_name(BwdKind kind, int dtype, int width) {
     static const char* const kNames[2][2][3] = {
         {{"bwdmma/fp16/d64", "bwdmma/fp16/d128", "?"}, {"bwdmma/bf16/d64", "bwdmma/bf16/d128", "?"}},
         {{"bwdwg/fp16/d64", "bwdwg/fp16/d128", "bwdwg/fp16/d256"}, {"bwdwg/bf16/d64", "bwdwg/bf16/d128", "bwdwg/bf16/d256"}}};
-    return kNames[kind - 1][dtype - 1][width_index(width)];
+    static const char* const kX3Names[3] = {"bwdx3/fp32/d64", "bwdx3/fp32/d128", "?"};
+    return kind == kBwdX3 ? kX3Names[width_index(width)] : kNames[kind - 1][dtype - 1][width_index(width)];
 }
-std::atomic<GqaBwdLauncher> g_bwd_launchers[2][3][3];
+std::atomic<GqaBwdLauncher> g_bwd_launchers[3][3][3];
 
 // A tensor-core unit of the backward (kind, 16-bit dtype, width 64 or 128, or 256 for wgmma), asked
 // once from the loader and kept (null: unavailable).
@@ -158,7 +163,8 @@ GqaBwdLauncher backward_launcher(BwdKind kind, int dtype, int width) {
     if (launch != nullptr) return launch;
     const GqaModuleLoader loader = g_loader.load();
     if (loader == nullptr) return nullptr;
-    launch = reinterpret_cast<GqaBwdLauncher>(loader(backward_unit_name(kind, dtype, width), dtype, width, kind == kBwdWg));
+    launch = reinterpret_cast<GqaBwdLauncher>(
+        loader(backward_unit_name(kind, dtype, width), dtype, width, kind == kBwdWg || kind == kBwdX3));
     if (launch != nullptr) slot.store(launch, std::memory_order_release);
     return launch;
 }
@@ -175,7 +181,9 @@ const char* gqa_backward_plan(const GqaBwdParams& p) {
 // in fp32 (blocks of 64 query rows per batch and head) and orders those sums with a counter per
 // block. The two kernels need none.
 int64_t gqa_backward_workspace_floats(const GqaBwdParams& p) {
-    if (!kGqaFusedBackward || backward_kind(p) != kBwdWg || p.D == 256) return 0;
+    const BwdKind kind = backward_kind(p);
+    if (kind == kBwdX3) return gqa_x3_bwd_floats(p);
+    if (!kGqaFusedBackward || kind != kBwdWg || p.D == 256) return 0;
     return gqa_fused_dq_floats(p);
 }
 
@@ -210,6 +218,8 @@ int gqa_load_every_plan() {
             for (int width : {64, 128, 256})
                 if (width != 256 || (kind == kBwdWg && kWgAt256)) missing += backward_launcher(kind, dtype, width) == nullptr;
     }
+    if (kHaveWgmma && kX3Backward)
+        for (int width : {64, 128}) missing += backward_launcher(kBwdX3, kGqaFloat32, width) == nullptr;
     return missing;
 }
 

@@ -291,6 +291,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward_cuda(
     p.nonfinite = reinterpret_cast<int*>(p.delta + rows);
     p.dq_accum = extra > 0 ? p.lse2 + head : nullptr;
     p.dq_order = extra > 0 ? reinterpret_cast<int*>(p.dq_accum + extra) - int64_t(p.B) * p.Hq * ((p.T + 63) / 64) : nullptr;
+    p.work = extra > 0 ? p.lse2 + head : nullptr;
     const at::Tensor lse2 = lse2_in.numel() > 0 ? lse2_in.contiguous() : lse2_in;
     p.lse2_in = lse2.numel() > 0 ? lse2.data_ptr<float>() : nullptr;
     const int err = gqa_backward(p, c10::cuda::getCurrentCUDAStream().stream());

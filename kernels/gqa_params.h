@@ -32,8 +32,8 @@ struct GqaParams {
     // Set by the dispatcher only: CTAs of the fp32 tiled kernel to run (1) or skip (0); null = all.
     const uint8_t* redo;
     // Null, or (B, T, Hq) floats for each row's log2 of the sum of 2^(s * log2(e) / sqrt(D)), for a
-    // backward: the 16-bit warp-specialised kernel writes them; where it does not run, the wgmma
-    // unit and the caller fill them with NaN (meaning "not kept").
+    // backward: the 16-bit warp-specialised kernel and the fp32 x3 kernel write them; where they do
+    // not run, the wgmma unit and the caller fill them with NaN (meaning "not kept").
     float* lse2;
 };
 
@@ -56,16 +56,19 @@ struct GqaBwdParams {
     void* dv;
     float* lse2;        // per query row: log2 of the softmax's sum of 2^(s * log2(e))
     float* delta;       // per query row: dout . o
-    // Set on the device before the tensor-core kernels: 1 when q, k, v, o or dout holds Inf or
-    // NaN. Those kernels then do nothing and the row-wise ones, told to by rows_if_nonfinite, run
-    // instead: a tile product multiplies masked zeros by the values of keys and queries the row
-    // does not attend, and 0 * Inf is NaN.
+    // Zero before the tensor-core kernels, which set it to 1 when they find Inf or NaN in q, k, v,
+    // o or dout (or the fused kernel's scan does, before it): the row-wise kernels, told to by
+    // rows_if_nonfinite, then redo the call. A tile product multiplies masked zeros by the values
+    // of keys and queries the row does not attend, and 0 * Inf is NaN.
     int* nonfinite;
     // Scratch of the wgmma unit's fused kernel (gqa_fused_dq_floats; null elsewhere, 16-byte
     // aligned): dQ summed in fp32 over the key tiles in blocks of 64 query rows (bwdwg/fused.cuh),
     // and per block how many shares have been added to it.
     float* dq_accum;
     int* dq_order;
+    // Scratch of the x3 unit (gqa_x3_bwd_floats; null elsewhere, 16-byte aligned): its statistics,
+    // then q, dO, k and v scaled and split into fp16 hi and lo rows (bwdx3/bwdx3.cu).
+    void* work;
     // Null, or the forward's lse2 (GqaParams::lse2): rows holding a number need no first pass.
     const float* lse2_in;
     bool rows_if_nonfinite;   // the row-wise kernels run only when *nonfinite is set
@@ -138,6 +141,13 @@ int64_t gqa_backward_workspace_floats(const GqaBwdParams& params);
 inline int64_t gqa_fused_dq_floats(const GqaBwdParams& p) {
     const int64_t blocks = int64_t(p.B) * p.Hq * ((p.T + 63) / 64);
     return blocks * 64 * p.D + blocks;
+}
+// The x3 unit's part of it: the statistics' bytes (the rows after them stay 16-byte aligned), then
+// q, dO, k and v as fp16 hi and lo rows of 2 D values.
+constexpr int64_t kGqaX3BwdStatsBytes = 256;
+inline int64_t gqa_x3_bwd_floats(const GqaBwdParams& p) {
+    const int64_t halves = 2 * (int64_t(p.B) * p.T * (p.Hq + p.Hkv)) * 2 * p.D;
+    return kGqaX3BwdStatsBytes / 4 + halves / 2;
 }
 // Reads q, k and v once and writes o = q: the memory floor of a call, for benchmarks.
 int gqa_read_floor(const GqaParams& params, void* stream);

@@ -7,9 +7,9 @@ namespace {
 
 // mma.sync products from padded tiles (rows DP + 8 values apart: an ldmatrix's 8 rows hit distinct
 // banks), each warp on its 16 rows.
-template <bool kBf16_, int DP_> struct MmaProducts {
+template <bool kBf16_, int DP_> struct MmaProducts : Bwd16BitIo<kBf16_> {
     static constexpr bool kBf16 = kBf16_;
-    static constexpr int DP = DP_, LD = DP + 8, kTileHalves = kTile * LD, kAlign = 16;
+    static constexpr int DP = DP_, LD = DP + 8, kTileHalves = kTile * LD, kAlign = 16, kRowValues = DP;
     static constexpr int kOut = DP;   // every output column in one CTA
     static __device__ __forceinline__ uint16_t* aligned(uint16_t* smem) { return smem; }
     static __device__ __forceinline__ const uint16_t* columns(const uint16_t* tile, int col0) { return tile + col0; }
@@ -42,7 +42,7 @@ template <bool kBf16_, int DP_> struct MmaProducts {
     }
     // o += P B for the warp's 16 rows, P the fp32 s rounded to 16 bits, B a tile read N-major.
     static __device__ __forceinline__ void pv_issue(float (&o)[1][DP / 8][4], uint32_t (&)[kTile / 16][4],
-                                                    const float (&s)[1][kTile / 8][4], const uint16_t* b, int lane) {
+                                                    const float (&s)[1][kTile / 8][4], const uint16_t* b, int lane, float = 1.f) {
         pv_16bit<kBf16, kTile, DP, LD, 1>(o, s, b, DP / 8, lane);
     }
     template <int N> static __device__ __forceinline__ void wait() {}

@@ -29,8 +29,9 @@ namespace {
 constexpr int kTile = 64;                  // rows of a tile, and columns of a step
 // A step's last product (dQ, or dV and dK) left running into the next step, whose first products
 // are issued behind it before the loads of the step after it (which reuse its stage) start:
-// the tensor core need not idle over the step's barrier and copies (bench/NOTES.md v51).
-constexpr bool kBwdEarlyIssue = false;
+// the tensor core need not idle over the step's barrier and copies (bench/NOTES.md v51: with
+// cp.async from every thread the copies then started too late; v70: with TMA from one thread).
+constexpr bool kBwdEarlyIssue = true;   // the 16-bit policies' Pol::kEarlyIssue
 // The dK/dV kernel reads its step's lse2 and delta (one per query column, in shared memory) into
 // registers before each product's wait, 16 a thread, instead of once per element after it: ncu
 // put 25% of its warp samples on short-scoreboard waits, most at the exponentials' first use of a
@@ -61,13 +62,91 @@ __device__ __forceinline__ void read_columns(float (&column)[kTile / 8][2], cons
         for (int e = 0; e < 2; ++e) column[n][e] = stat[frag_col(lane, n, e)];
 }
 
-// Whether any of kTiles consecutive tiles of the policy (their 64 rows of DP values, not the rows'
-// padding) holds Inf or NaN, over the CTA's kThreadsN threads in 16-byte reads: with its exponent
+// What a policy's kernels read besides their tiles' layout, once a CTA (Pol::io): the 16-bit
+// policies read the inputs as they are; the x3 policy (bwdx3/) reads its pre-pass's fp16 hi and lo
+// copies, scaled by powers of two, and undoes the scales with these numbers.
+struct BwdIo {
+    const uint16_t *q, *k, *v, *dout;   // the tiles' sources: [B, T, heads, Pol::kRowValues] 16-bit
+    float scale_log2;                   // S (as the products give it) to log2 units
+    float p_mul, ds_mul;                // P and dS times these before their products
+    int e_delta;                        // delta times 2^e_delta: dP's units
+    int e_dq, e_dk, e_dv;               // the accumulators (dQ and dK times 1 / sqrt(D)) times 2^e
+};
+// The 16-bit policies' part of the interface: inputs as they are, fp16 or bf16 outputs.
+template <bool kBf16> struct Bwd16BitIo {
+    static constexpr int kDtype = kBf16 ? kGqaBFloat16 : kGqaFloat16;
+    static constexpr bool kDeltaGiven = false;   // the dQ kernel computes delta from dO and o
+    static constexpr int kFlushSteps = 0;        // the accumulators stay in registers to the end
+    static constexpr int kDqFlushSteps = 0;
+    static constexpr bool kEarlyIssue = kBwdEarlyIssue;
+    static __device__ __forceinline__ BwdIo io(const GqaBwdParams& p) {
+        return {static_cast<const uint16_t*>(p.q), static_cast<const uint16_t*>(p.k), static_cast<const uint16_t*>(p.v),
+                static_cast<const uint16_t*>(p.dout), p.scale_log2, 1.f, 1.f, 0, 0, 0, 0};
+    }
+    using Out = uint16_t;   // the gradients' element
+    // Two values of a gradient at `out` (the exponent is 0 here).
+    static __device__ __forceinline__ void store2(Out* out, float a, float b, int) { store_pair(out, a, b, kBf16); }
+};
+
+// Pol::kFlushSteps, kDqFlushSteps > 0 (fp32 outputs): every kFlushSteps steps (the dQ kernel:
+// kDqFlushSteps key tiles) a kernel adds its accumulator into
+// the gradient's fp32 rows (in fp32, rounded to nearest) and restarts it from zero. The tensor
+// core's own additions do not round to nearest, and over the hundreds of steps of a long sequence
+// their bias reached 4e-5 of dK and dV (bench/NOTES.md v71). out_row(half) is the thread's fp32 row
+// of accumulator rows frag_row(lane, 2 half), or null past T; `first`: store instead of add. The
+// adds are reductions in L2 (nothing comes back, so nothing waits for a load: v74); only this
+// thread touches its rows, in program order, so the sums are the same on every run.
+template <int X, class RowOf>
+__device__ __forceinline__ void flush_rows(float (&acc)[1][X][4], const RowOf& out_row, int lane, bool first) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        float* row = out_row(half);
+#pragma unroll
+        for (int n = 0; n < X; ++n) {
+            if (row != nullptr) {
+                float2* at = reinterpret_cast<float2*>(row + frag_col(lane, n, 0));
+                const float2 add = make_float2(acc[0][n][2 * half], acc[0][n][2 * half + 1]);
+                if (first) __stcg(at, add);
+                else atomicAdd(at, add);
+            }
+            acc[0][n][2 * half] = acc[0][n][2 * half + 1] = 0.f;
+        }
+    }
+}
+// The flushed sums back into the accumulator, before its last store.
+template <int X, class RowOf>
+__device__ __forceinline__ void take_back_rows(float (&acc)[1][X][4], const RowOf& out_row, int lane) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const float* row = out_row(half);
+        if (row == nullptr) continue;
+#pragma unroll
+        for (int n = 0; n < X; ++n) {
+            const float2 was = __ldcg(reinterpret_cast<const float2*>(row + frag_col(lane, n, 0)));
+            acc[0][n][2 * half] += was.x;
+            acc[0][n][2 * half + 1] += was.y;
+        }
+    }
+}
+
+// sum + the dot product of two vectors of eight 16-bit values, in order, in fp32.
+__device__ __forceinline__ float dot8_16bit(const uint4& x, const uint4& y, float sum, bool bf16) {
+    const uint32_t xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        sum = fmaf(to_float(uint16_t(xs[j] & 0xffffu), bf16), to_float(uint16_t(ys[j] & 0xffffu), bf16), sum);
+        sum = fmaf(to_float(uint16_t(xs[j] >> 16), bf16), to_float(uint16_t(ys[j] >> 16), bf16), sum);
+    }
+    return sum;
+}
+
+// Whether any of kTiles consecutive tiles of the policy (their 64 rows of Pol::kRowValues values, not
+// the rows' padding) holds Inf or NaN, over the CTA's kThreadsN threads in 16-byte reads: with its exponent
 // field masked out of a word, adding one at the field's lowest bit carries into the value's sign
 // bit when the field is all ones, and only then (no carry crosses into the word's other value).
 template <class Pol, int kTiles, int kThreadsN>
 __device__ __forceinline__ bool tiles_nonfinite(const uint16_t* tiles, bool bf16) {
-    constexpr int kChunks = Pol::DP / 8, kRowHalves = Pol::kTileHalves / kTile;
+    constexpr int kChunks = Pol::kRowValues / 8, kRowHalves = Pol::kTileHalves / kTile;
     const uint32_t field = bf16 ? 0x7f807f80u : 0x7c007c00u, unit = bf16 ? 0x00800080u : 0x04000400u;
     uint32_t hit = 0;
 #pragma unroll 4
@@ -125,7 +204,8 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
     const int qt = qt_cta + wg, q0 = qt * kTile;   // this group's query tile (past the last one: rows past T)
     uint16_t *q_tile = q_tiles + wg * H, *do_tile = do_tiles + wg * H;
     const bool bf16 = kBf16;
-    const uint16_t *k_in = static_cast<const uint16_t*>(p.k), *v_in = static_cast<const uint16_t*>(p.v);
+    const BwdIo io = Pol::io(p);
+    const uint16_t *k_in = io.k, *v_in = io.v;
     // Pol::kTma: pass 2's K and V tiles come by TMA, issued by thread 0, and land on their stage's
     // barrier (phase k: the stage's k-th tile).
     constexpr bool kTmaKv = Pol::kTma && !kStats;
@@ -146,8 +226,8 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
 
     if (loader)
         for (int g = 0; g < RG; ++g) {
-            Pol::load(q_tiles + g * H, static_cast<const uint16_t*>(p.q), b, (qt_cta + g) * kTile, h, p.Hq, p.T);
-            Pol::load(do_tiles + g * H, static_cast<const uint16_t*>(p.dout), b, (qt_cta + g) * kTile, h, p.Hq, p.T);
+            Pol::load(q_tiles + g * H, io.q, b, (qt_cta + g) * kTile, h, p.Hq, p.T);
+            Pol::load(do_tiles + g * H, io.dout, b, (qt_cta + g) * kTile, h, p.Hq, p.T);
         }
     cp_async_commit();
     // Pass 2's first K and V (stage 1, which pass 1 leaves alone), landed by pass 1's first wait.
@@ -160,14 +240,22 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
     for (int half = 0; half < 2; ++half) {
         const int t = q0 + 16 * warp + frag_row(lane, 2 * half);
         float sum = 0.f;
-        if (t < p.T) {
+        if constexpr (Pol::kDeltaGiven) {   // by the policy's pre-pass, in the input's units
+            if (t < p.T) sum = ldexpf(p.delta[bwd_stat_row(b, h, t, p)], io.e_delta);
+        } else if (t < p.T) {   // the quad's row in 16-byte reads, lane l of the quad chunks l, l + 4, ..
             const int64_t row = ((b * p.T + t) * p.Hq + h) * int64_t(DP);
-            for (int d = (lane & 3); d < DP; d += 4)
-                sum = fmaf(to_float(static_cast<const uint16_t*>(p.dout)[row + d], bf16),
-                           to_float(static_cast<const uint16_t*>(p.o)[row + d], bf16), sum);
+            const uint4* dout_row = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.dout) + row);
+            const uint4* o_row = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.o) + row);
+            uint4 x[DP / 32], y[DP / 32];
+#pragma unroll
+            for (int i = 0; i < DP / 32; ++i) x[i] = __ldg(dout_row + (lane & 3) + 4 * i), y[i] = __ldg(o_row + (lane & 3) + 4 * i);
+#pragma unroll
+            for (int i = 0; i < DP / 32; ++i) sum = dot8_16bit(x[i], y[i], sum, bf16);
         }
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        if constexpr (!Pol::kDeltaGiven) {
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        }
         delta[half] = sum;
     }
 
@@ -216,7 +304,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
             for (int n = 0; n < kTile / 8; ++n)
 #pragma unroll
                 for (int e = 2 * half; e < 2 * half + 2; ++e) {
-                    s[0][n][e] = edge && masked(kt, n, e) ? -INFINITY : s[0][n][e] * p.scale_log2;
+                    s[0][n][e] = edge && masked(kt, n, e) ? -INFINITY : s[0][n][e] * io.scale_log2;
                     tile_max = fmaxf(tile_max, s[0][n][e]);
                 }
             tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
@@ -240,25 +328,32 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
 
     // Pass 2: dQ. Key tile kt sits in stage (kt + 1) % 2; the next one loads during this one.
     float dq[1][OUT / 8][4] = {};
+    // Pol::kDqFlushSteps: this thread's fp32 rows of dQ (flushed after key tiles kDqFlushSteps - 1,
+    // 2 kDqFlushSteps - 1, ..).
+    auto dq_row = [&](int half) -> float* {
+        const int t = q0 + 16 * warp + frag_row(lane, 2 * half);
+        return t < p.T ? reinterpret_cast<float*>(p.dq) + ((b * p.T + t) * p.Hq + h) * DP + col0 : nullptr;
+    };
     auto load_kv = [&](int kt) {   // key tile kt + 1 into the other stage
         if (kt < kt_last) load_kv_tile(kt + 1, ((kt + 1) & 1) ^ 1);
         cp_async_commit();    // (empty on the last tile)
     };
-    static_assert(!(Pol::kTma && kBwdEarlyIssue), "early issue reloads a stage by cp.async only");
     for (int kt = 0; kt <= (kStats ? -1 : kt_last); ++kt) {
         const int st = (kt + 1) & 1;
-        if (!kBwdEarlyIssue && !kTmaKv) load_kv(kt);
-        cp_async_wait<kBwdEarlyIssue || kTmaKv ? 0 : 1>();   // key tile kt has landed (kTma: Q and dO)
+        if (!Pol::kEarlyIssue && !kTmaKv) load_kv(kt);
+        cp_async_wait<Pol::kEarlyIssue || kTmaKv ? 0 : 1>();   // key tile kt has landed (kTma: Q and dO)
         Pol::landed();
-        __syncthreads();
+        // (kTma with Pol::kEarlyIssue: only Q and dO need it, and the tile's stage was freed by the
+        // barrier in the middle of the tile before)
+        if (!(kTmaKv && Pol::kEarlyIssue) || kt == 0) __syncthreads();
         if constexpr (kTmaKv) Pol::await_step(&landed_bar[st], uint32_t((kt >> 1) & 1));
         float s[1][kTile / 8][4], dp[1][kTile / 8][4];
         Pol::qk_issue(s, q_tile, k_of(st), warp, lane);
         Pol::qk_issue(dp, do_tile, v_of(st), warp, lane);
         // kTma: tile kt + 1 goes out under the products (its stage was freed by the barrier that
-        // ended tile kt - 1).
-        if constexpr (kTmaKv) load_kv(kt);
-        if (kBwdEarlyIssue) {
+        // ended tile kt - 1; with Pol::kEarlyIssue by the one below).
+        if constexpr (kTmaKv && !Pol::kEarlyIssue) load_kv(kt);
+        if (Pol::kEarlyIssue) {
             Pol::template wait<2>();   // the last tile's dQ product: its stage is free
             Pol::settle(dq);
             __syncthreads();
@@ -269,7 +364,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
         // P for every element, then the masked ones zeroed on the diagonal tile alone (with the
         // mask in the same expression the compiler tested it, and reloaded scale_log2, for every
         // element of every tile: bench/NOTES.md v63).
-        const float scale_log2 = p.scale_log2;
+        const float scale_log2 = io.scale_log2;
 #pragma unroll
         for (int n = 0; n < kTile / 8; ++n)
 #pragma unroll
@@ -288,15 +383,24 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[0][n][e] *= dp[0][n][e] - delta[e >> 1];   // dS
         uint32_t pa[kTile / 16][4];
-        Pol::pv_issue(dq, pa, s, Pol::columns(k_of(st), col0), lane);
-        if (!kBwdEarlyIssue) {
+        Pol::pv_issue(dq, pa, s, Pol::columns(k_of(st), col0), lane, io.ds_mul);
+        if (!Pol::kEarlyIssue) {
             Pol::template wait<0>();
             Pol::settle(dq);
             __syncthreads();   // this stage takes tile kt + 2, issued at the top of the next iteration
         }
+        if constexpr (Pol::kDqFlushSteps > 0 && !kStats) {
+            if ((kt + 1) % Pol::kDqFlushSteps == 0) {
+                if constexpr (Pol::kEarlyIssue) Pol::template wait<0>(), Pol::settle(dq);   // (still running)
+                flush_rows(dq, dq_row, lane, kt + 1 == Pol::kDqFlushSteps);
+            }
+        }
     }
     Pol::template wait<0>();
     Pol::settle(dq);
+    if constexpr (Pol::kDqFlushSteps > 0 && !kStats) {
+        if (kt_last + 1 >= Pol::kDqFlushSteps) take_back_rows(dq, dq_row, lane);
+    }
     // The inputs' check: Inf or NaN in this CTA's Q tiles, or in its rows of dO or o, which makes
     // delta not finite (so does an fp32 overflow of finite bf16 products: the row-wise kernels
     // take that call too).
@@ -313,11 +417,11 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
             p.delta[stat] = t < p.T ? delta[half] : 0.f;
         }
         if (t >= p.T) continue;
-        uint16_t* out = static_cast<uint16_t*>(p.dq) + ((b * p.T + t) * p.Hq + h) * DP + col0;
+        typename Pol::Out* out = static_cast<typename Pol::Out*>(p.dq) + ((b * p.T + t) * p.Hq + h) * DP + col0;
 #pragma unroll
         for (int n = 0; n < OUT / 8; ++n)
             if (!kStats)
-                store_pair(out + frag_col(lane, n, 2 * half), dq[0][n][2 * half] * p.scale, dq[0][n][2 * half + 1] * p.scale, bf16);
+                Pol::store2(out + frag_col(lane, n, 2 * half), dq[0][n][2 * half] * p.scale, dq[0][n][2 * half + 1] * p.scale, io.e_dq);
     }
 }
 
@@ -346,10 +450,10 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
     const int kt = cta.tile, k0 = kt * kTile * KG, kw0 = k0 + kTile * wg;   // the CTA's first key, this group's
     uint16_t *k_tile = k_tiles + wg * H, *v_tile = v_tiles + wg * H;
     const bool bf16 = kBf16;
+    const BwdIo io = Pol::io(p);
     // Pol::kTma: a stage's Q, dO, lse2 and delta come by TMA, issued by thread 0, and land on the
     // stage's barrier (phase k: the stage's k-th step).
     __shared__ uint64_t landed_bar[2];
-    static_assert(!(Pol::kTma && kBwdEarlyIssue), "early issue reloads a stage by cp.async only");
     if constexpr (Pol::kTma) {
         if (threadIdx.x == 0) Pol::init_landed(landed_bar);
         __syncthreads();
@@ -357,8 +461,8 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
 
     if (loader)
         for (int g = 0; g < KG; ++g) {
-            Pol::load(k_tiles + g * H, static_cast<const uint16_t*>(p.k), b, k0 + g * kTile, kv_head, p.Hkv, p.T);
-            Pol::load(v_tiles + g * H, static_cast<const uint16_t*>(p.v), b, k0 + g * kTile, kv_head, p.Hkv, p.T);
+            Pol::load(k_tiles + g * H, io.k, b, k0 + g * kTile, kv_head, p.Hkv, p.T);
+            Pol::load(v_tiles + g * H, io.v, b, k0 + g * kTile, kv_head, p.Hkv, p.T);
         }
     cp_async_commit();
 
@@ -376,8 +480,8 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
                 Pol::load_step(maps, q_tile(st), do_tile(st), lse2_s(st), delta_s(st), p.lse2 + stat, p.delta + stat,
                                &landed_bar[st], b, q0, h);
         } else if (loader) {
-            Pol::load(q_tile(st), static_cast<const uint16_t*>(p.q), b, q0, h, p.Hq, p.T);
-            Pol::load(do_tile(st), static_cast<const uint16_t*>(p.dout), b, q0, h, p.Hq, p.T);
+            Pol::load(q_tile(st), io.q, b, q0, h, p.Hq, p.T);
+            Pol::load(do_tile(st), io.dout, b, q0, h, p.Hq, p.T);
             if (threadIdx.x < kTile / 4) {
                 cp_async16(lse2_s(st) + 4 * threadIdx.x, p.lse2 + stat + 4 * threadIdx.x, 16);
                 cp_async16(delta_s(st) + 4 * threadIdx.x, p.delta + stat + 4 * threadIdx.x, 16);
@@ -388,17 +492,27 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
     cp_async_commit();
 
     float dk[1][OUT / 8][4] = {}, dv[1][OUT / 8][4] = {};
+    // Pol::kFlushSteps: this thread's fp32 rows of dK and dV (flushed after steps kFlushSteps - 1,
+    // 2 kFlushSteps - 1, ..).
+    auto key_row = [&](float* grad, int half) -> float* {
+        const int j = kw0 + 16 * warp + frag_row(lane, 2 * half);
+        return j < p.T ? grad + ((b * p.T + j) * p.Hkv + kv_head) * DP + col0 : nullptr;
+    };
+    auto dk_row = [&](int half) { return key_row(reinterpret_cast<float*>(p.dk), half); };
+    auto dv_row = [&](int half) { return key_row(reinterpret_cast<float*>(p.dv), half); };
     int step_qt = kt * KG, step_g = 0;   // step i's query tile and head in the group, counted on
     for (int i = 0; i < steps; ++i) {
         const int st = i & 1, q0 = step_qt * kTile;
         if (++step_g == p.group) step_g = 0, ++step_qt;
-        if (!kBwdEarlyIssue && !Pol::kTma) {
+        if (!Pol::kEarlyIssue && !Pol::kTma) {
             if (i + 1 < steps) load_next(st ^ 1);
             cp_async_commit();    // (empty on the last step)
         }
-        cp_async_wait<kBwdEarlyIssue ? 0 : 1>();   // step i has landed (kTma: K and V)
+        cp_async_wait<Pol::kEarlyIssue ? 0 : 1>();   // step i has landed (kTma: K and V)
         Pol::landed();
-        __syncthreads();
+        // (kTma with Pol::kEarlyIssue: only K and V need it, and the step's stage was freed by the
+        // barrier in the middle of the step before)
+        if (!(Pol::kTma && Pol::kEarlyIssue) || i == 0) __syncthreads();
         if constexpr (Pol::kTma) Pol::await_step(&landed_bar[st], uint32_t((i >> 1) & 1));
         const float* lse2_t = lse2_s(st);
         const float* delta_t = delta_s(st);
@@ -406,11 +520,12 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
         Pol::qk_issue(s, k_tile, q_tile(st), warp, lane);     // S^T
         Pol::qk_issue(dp, v_tile, do_tile(st), warp, lane);   // dP^T
         // kTma: step i + 1's copies go out under the products (its stage was freed by the barrier
-        // that ended step i - 1), so the issuing warp does not hold up this step's barrier.
-        if constexpr (Pol::kTma) {
+        // that ended step i - 1; with Pol::kEarlyIssue by the one below), so the issuing warp does
+        // not hold up this step's barrier.
+        if constexpr (Pol::kTma && !Pol::kEarlyIssue) {
             if (i + 1 < steps) load_next(st ^ 1);
         }
-        if (kBwdEarlyIssue) {
+        if (Pol::kEarlyIssue) {
             Pol::template wait<2>();   // the last step's dV and dK: its stage is free
             Pol::settle(dv);
             Pol::settle(dk);
@@ -430,7 +545,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
         // P^T for every element, then the masked ones zeroed on edge tiles alone: with the mask in
         // the same expression the compiler branched around each exponential (BSSY, two BRA,
         // BSYNC an element, edge tile or not; bench/NOTES.md v59).
-        const float scale_log2 = p.scale_log2;
+        const float scale_log2 = io.scale_log2;
 #pragma unroll
         for (int n = 0; n < kTile / 8; ++n)
 #pragma unroll
@@ -445,7 +560,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
                 }
         }
         uint32_t pa[kTile / 16][4], pa2[kTile / 16][4];
-        Pol::pv_issue(dv, pa, s, Pol::columns(do_tile(st), col0), lane);   // dV += P^T dO
+        Pol::pv_issue(dv, pa, s, Pol::columns(do_tile(st), col0), lane, io.p_mul);   // dV += P^T dO
         if (kBwdStatsInRegs) read_columns(column, delta_t, lane);
         Pol::template wait<1>();   // dP^T; dV still running
         Pol::settle(dp);
@@ -453,17 +568,27 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
         for (int n = 0; n < kTile / 8; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) dp[0][n][e] = s[0][n][e] * (dp[0][n][e] - stat_of(delta_t, n, e));   // dS^T
-        Pol::pv_issue(dk, pa2, dp, Pol::columns(q_tile(st), col0), lane);   // dK += dS^T Q
-        if (!kBwdEarlyIssue) {
+        Pol::pv_issue(dk, pa2, dp, Pol::columns(q_tile(st), col0), lane, io.ds_mul);   // dK += dS^T Q
+        if (!Pol::kEarlyIssue) {
             Pol::template wait<0>();
             Pol::settle(dv);
             Pol::settle(dk);
             __syncthreads();   // stage st takes step i + 2, issued at the top of the next iteration
         }
+        if constexpr (Pol::kFlushSteps > 0) {
+            if ((i + 1) % Pol::kFlushSteps == 0) {
+                if constexpr (Pol::kEarlyIssue) Pol::template wait<0>(), Pol::settle(dv), Pol::settle(dk);   // (still running)
+                flush_rows(dk, dk_row, lane, i + 1 == Pol::kFlushSteps);
+                flush_rows(dv, dv_row, lane, i + 1 == Pol::kFlushSteps);
+            }
+        }
     }
     Pol::template wait<0>();
     Pol::settle(dv);
     Pol::settle(dk);
+    if constexpr (Pol::kFlushSteps > 0) {
+        if (steps >= Pol::kFlushSteps) take_back_rows(dk, dk_row, lane), take_back_rows(dv, dv_row, lane);
+    }
     // The inputs' check: Inf or NaN in this CTA's K and V tiles (consecutive in shared memory).
     cp_async_wait<0>();
     __syncthreads();
@@ -474,13 +599,13 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
         const int j = kw0 + 16 * warp + frag_row(lane, 2 * half);
         if (j >= p.T) continue;
         const int64_t row = (b * p.T + j) * p.Hkv + kv_head;
-        uint16_t* dk_out = static_cast<uint16_t*>(p.dk) + row * DP + col0;
-        uint16_t* dv_out = static_cast<uint16_t*>(p.dv) + row * DP + col0;
+        typename Pol::Out* dk_out = static_cast<typename Pol::Out*>(p.dk) + row * DP + col0;
+        typename Pol::Out* dv_out = static_cast<typename Pol::Out*>(p.dv) + row * DP + col0;
 #pragma unroll
         for (int n = 0; n < OUT / 8; ++n) {
             const int c = frag_col(lane, n, 2 * half);
-            store_pair(dk_out + c, dk[0][n][2 * half] * p.scale, dk[0][n][2 * half + 1] * p.scale, bf16);
-            store_pair(dv_out + c, dv[0][n][2 * half], dv[0][n][2 * half + 1], bf16);
+            Pol::store2(dk_out + c, dk[0][n][2 * half] * p.scale, dk[0][n][2 * half + 1] * p.scale, io.e_dk);
+            Pol::store2(dv_out + c, dv[0][n][2 * half], dv[0][n][2 * half + 1], io.e_dv);
         }
     }
 }
@@ -488,7 +613,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
 // Both kernels of one policy's unit, after p.nonfinite is zeroed (attention.cu) on the same stream.
 template <class Pol>
 cudaError_t bwd_launch(const GqaBwdParams& p, cudaStream_t stream, int dev) {
-    if (p.dtype != (Pol::kBf16 ? kGqaBFloat16 : kGqaFloat16) || p.D != Pol::DP) return cudaErrorInvalidValue;
+    if (p.dtype != Pol::kDtype || p.D != Pol::DP) return cudaErrorInvalidValue;
     static bool raised_dq[kMaxDevices] = {}, raised_dkdv[kMaxDevices] = {};
     constexpr size_t dq_smem = BwdSmem<Pol>::kDq, dkdv_smem = BwdSmem<Pol>::kDkdv;
     static_assert(dq_smem <= 227 * 1024 && dkdv_smem <= 227 * 1024, "each kernel's tiles fit one CTA's shared memory");

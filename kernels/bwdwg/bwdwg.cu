@@ -10,9 +10,9 @@
 
 namespace {
 
-template <bool kBf16_, int DP_> struct WgProducts {
+template <bool kBf16_, int DP_> struct WgProducts : Bwd16BitIo<kBf16_>, BwdTmaLoads<kTile, DP_> {
     static constexpr bool kBf16 = kBf16_;
-    static constexpr int DP = DP_, kTileHalves = kTile * DP, kAlign = 1024;   // swizzled rows carry no padding
+    static constexpr int DP = DP_, kTileHalves = kTile * DP, kAlign = 1024, kRowValues = DP;   // swizzled rows carry no padding
     // Output columns (of dQ, dK, dV) a CTA computes: all of them, or at width 256 one half, so that
     // the accumulators are those of width 128 (a grid of two halves; S and dP take all 256).
     static constexpr int kOut = DP == 256 ? 128 : DP;
@@ -35,10 +35,8 @@ template <bool kBf16_, int DP_> struct WgProducts {
     // This thread's copies, before the barrier after which the warpgroup's products read them.
     static __device__ __forceinline__ void landed() { fence_async_proxy(); }
     // The dK/dV kernel's steps (Q, dO, lse2 and delta) and the dQ kernel's K and V tiles by TMA
-    // from one thread instead of cp.async from every thread: the copies' addresses and bounds were
-    // about a third of a step's instructions (bench/NOTES.md v61, v62). Q, dO, K and V through
-    // tensor maps (dims D, heads, T, B; boxes of 64 columns x 1 head x 64 steps, zeros past T),
-    // lse2 and delta as two bulk copies.
+    // from one thread instead of cp.async from every thread (BwdTmaLoads): the copies' addresses
+    // and bounds were about a third of a step's instructions (bench/NOTES.md v61, v62).
     static constexpr bool kTma = true;
     // The dK/dV kernel's warpgroups of 64 keys a CTA, sharing each step's copies: 2 halves the L2
     // traffic of Q and dO per product (one CTA of 8 warps an SM instead of two of 4; bench/NOTES.md
@@ -47,50 +45,9 @@ template <bool kBf16_, int DP_> struct WgProducts {
     // The dQ kernel's warpgroups of 64 query rows a CTA, sharing each key tile's copies (variant
     // bwd_rows_128; bench/NOTES.md v65).
     static constexpr int kRowGroups = 1;
-    struct Maps {
-        CUtensorMap q, dout, k, v;
-    };
-    static cudaError_t make_maps(const GqaBwdParams& p, Maps* m) {
-        const bool bf16 = kBf16;
-        const cuuint32_t box[4] = {64, 1, kTile, 1};
-        const auto rows = [&](CUtensorMap* map, const void* data, int heads) {   // (D, heads, T, B), contiguous
-            return tensor_map_16bit(map, data, bf16, {cuuint64_t(DP), cuuint64_t(heads), cuuint64_t(p.T), cuuint64_t(p.B)},
-                                    {cuuint64_t(DP) * 2, cuuint64_t(heads) * DP * 2, cuuint64_t(p.T) * heads * DP * 2}, box);
-        };
-        cudaError_t err = rows(&m->q, p.q, p.Hq);
-        if (err == cudaSuccess) err = rows(&m->dout, p.dout, p.Hq);
-        if (err == cudaSuccess) err = rows(&m->k, p.k, p.Hkv);
-        return err != cudaSuccess ? err : rows(&m->v, p.v, p.Hkv);
+    static cudaError_t make_maps(const GqaBwdParams& p, typename BwdTmaLoads<kTile, DP_>::Maps* m) {
+        return BwdTmaLoads<kTile, DP_>::make_maps_of(p, {p.q, p.dout, p.k, p.v}, kBf16, m);
     }
-    static __device__ __forceinline__ void init_landed(uint64_t (&bars)[2]) {
-        mbar_init(&bars[0], 1);
-        mbar_init(&bars[1], 1);
-        mbar_init_fence();
-    }
-    // One thread: a step's tiles and statistics into a stage, landing on `bar`.
-    static __device__ __forceinline__ void load_step(const Maps& m, uint16_t* q_dst, uint16_t* do_dst, float* lse2_dst,
-                                                     float* delta_dst, const float* lse2, const float* delta,
-                                                     uint64_t* bar, int64_t b, int q0, int h) {
-        mbar_arrive_expect(bar, uint32_t(2 * kTileHalves * 2 + 2 * kTile * 4));
-#pragma unroll
-        for (int blk = 0; blk < DP / 64; ++blk) {
-            tma_load_4d(q_dst + blk * kTile * 64, &m.q, bar, blk * 64, h, q0, int(b));
-            tma_load_4d(do_dst + blk * kTile * 64, &m.dout, bar, blk * 64, h, q0, int(b));
-        }
-        bulk_load(lse2_dst, lse2, kTile * 4, bar);
-        bulk_load(delta_dst, delta, kTile * 4, bar);
-    }
-    // One thread: the dQ kernel's K and V tiles of keys k0 .. k0 + 63 into a stage, landing on `bar`.
-    static __device__ __forceinline__ void load_kv(const Maps& m, uint16_t* k_dst, uint16_t* v_dst, uint64_t* bar,
-                                                   int64_t b, int k0, int kvh) {
-        mbar_arrive_expect(bar, uint32_t(2 * kTileHalves * 2));
-#pragma unroll
-        for (int blk = 0; blk < DP / 64; ++blk) {
-            tma_load_4d(k_dst + blk * kTile * 64, &m.k, bar, blk * 64, kvh, k0, int(b));
-            tma_load_4d(v_dst + blk * kTile * 64, &m.v, bar, blk * 64, kvh, k0, int(b));
-        }
-    }
-    static __device__ __forceinline__ void await_step(uint64_t* bar, uint32_t parity) { mbar_wait(bar, parity); }
     // Issues s = A B^T for the warpgroup's 64 rows of tile A (each warp's 16 in its s) and tile
     // B's 64, as one commit group: s is valid after the matching wait and settle.
     static __device__ __forceinline__ void qk_issue(float (&s)[1][kTile / 8][4], const uint16_t* a, const uint16_t* b, int, int) {
@@ -100,7 +57,7 @@ template <bool kBf16_, int DP_> struct WgProducts {
     // Issues o += P B, P the fp32 s rounded to 16 bits into pa (the A operand from registers), as
     // one commit group: neither o nor pa may be touched before the matching wait.
     static __device__ __forceinline__ void pv_issue(float (&o)[1][kOut / 8][4], uint32_t (&pa)[kTile / 16][4],
-                                                    const float (&s)[1][kTile / 8][4], const uint16_t* b, int) {
+                                                    const float (&s)[1][kTile / 8][4], const uint16_t* b, int, float = 1.f) {
         pack_p<kBf16>(pa, s[0]);
         pv_wgmma<kBf16, kOut, kTile>(o[0], pa, b);
         wg_commit();

@@ -80,26 +80,6 @@ __device__ __forceinline__ int dq_full_id(int c, int j) { return 2 + 2 * c + j; 
 __device__ __forceinline__ int dq_empty_id(int c, int j) { return 6 + 2 * c + j; }
 constexpr int kHandOver = 128 + 32;   // a warpgroup and the writer warp
 
-// Rows [row0, row0 + ROWS) of one head of a contiguous [B, T, H, DP] tensor into a swizzled tile
-// of ROWS rows (sw128_offset), by THREADS threads, 16 bytes a copy; rows at or past T are zeros. A
-// thread copies one 16-byte column of every kRowStep-th row: one address, then a constant step.
-template <int DP, int ROWS, int THREADS>
-__device__ __forceinline__ void swizzled_load(uint16_t* tile, const uint16_t* base, int64_t b, int row0, int head,
-                                              int heads, int T) {
-    constexpr int kChunks = DP / 8, kRowStep = THREADS / kChunks;
-    static_assert(THREADS % kChunks == 0 && ROWS % kRowStep == 0, "whole rows each round");
-    unsigned char* dst = reinterpret_cast<unsigned char*>(tile);
-    const int c = 8 * (int(threadIdx.x) % kChunks), r0 = int(threadIdx.x) / kChunks;
-    const int64_t step = int64_t(kRowStep) * heads * DP;
-    const uint16_t* src = base + ((b * T + row0 + r0) * heads + head) * int64_t(DP) + c;
-#pragma unroll
-    for (int k = 0; k < ROWS / kRowStep; ++k) {
-        const int r = r0 + k * kRowStep;
-        const bool valid = row0 + r < T;
-        cp_async16(dst + sw128_offset(r, c, ROWS), valid ? src + k * step : base, valid ? 16 : 0);
-    }
-}
-
 template <class Pol>
 __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
     gqa_bwd_fused_kernel(const GqaBwdParams p, const __grid_constant__ typename Pol::Maps maps) {

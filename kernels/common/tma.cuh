@@ -1,5 +1,5 @@
 // mbarrier and TMA primitives (sm_90), and the host's tensor maps, for the warp-specialised forward
-// (ws/kernel.cuh) and the wgmma backward's loads (bwdwg/bwdwg.cu).
+// (ws/kernel.cuh) and the wgmma backward's loads (bwdwg/bwdwg.cu, bwdx3/bwdx3.cu).
 #ifndef GQA_COMMON_TMA_CUH
 #define GQA_COMMON_TMA_CUH
 
@@ -75,6 +75,58 @@ inline cudaError_t tensor_map_16bit(CUtensorMap* map, const void* data, bool bf1
                                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     return res == CUDA_SUCCESS ? cudaSuccess : cudaErrorNotSupported;
 }
+
+// The wgmma backward's copies by TMA (bwdwg/, bwdx3/), each issued by one thread: tiles of kRows
+// rows of kCols 16-bit values (64-column blocks, 128-byte swizzle, zeros past T) from contiguous
+// [B, T, heads, kCols] tensors, through four tensor maps (dims kCols, heads, T, B; boxes of 64
+// columns x 1 head x kRows steps), and a step's lse2 and delta as two bulk copies.
+template <int kRows, int kCols> struct BwdTmaLoads {
+    static constexpr int kLoadHalves = kRows * kCols;
+    struct Maps {
+        CUtensorMap q, dout, k, v;
+    };
+    // The maps of q, dout, k and v at `data` (in that order).
+    static cudaError_t make_maps_of(const GqaBwdParams& p, const void* const (&data)[4], bool bf16, Maps* m) {
+        const cuuint32_t box[4] = {64, 1, kRows, 1};
+        const auto rows = [&](CUtensorMap* map, const void* at, int heads) {
+            return tensor_map_16bit(map, at, bf16, {cuuint64_t(kCols), cuuint64_t(heads), cuuint64_t(p.T), cuuint64_t(p.B)},
+                                    {cuuint64_t(kCols) * 2, cuuint64_t(heads) * kCols * 2, cuuint64_t(p.T) * heads * kCols * 2}, box);
+        };
+        cudaError_t err = rows(&m->q, data[0], p.Hq);
+        if (err == cudaSuccess) err = rows(&m->dout, data[1], p.Hq);
+        if (err == cudaSuccess) err = rows(&m->k, data[2], p.Hkv);
+        return err != cudaSuccess ? err : rows(&m->v, data[3], p.Hkv);
+    }
+    static __device__ __forceinline__ void init_landed(uint64_t (&bars)[2]) {
+        mbar_init(&bars[0], 1);
+        mbar_init(&bars[1], 1);
+        mbar_init_fence();
+    }
+    // A step's Q and dO tiles and statistics into a stage, landing on `bar`.
+    static __device__ __forceinline__ void load_step(const Maps& m, uint16_t* q_dst, uint16_t* do_dst, float* lse2_dst,
+                                                     float* delta_dst, const float* lse2, const float* delta,
+                                                     uint64_t* bar, int64_t b, int q0, int h) {
+        mbar_arrive_expect(bar, uint32_t(2 * kLoadHalves * 2 + 2 * kRows * 4));
+#pragma unroll
+        for (int blk = 0; blk < kCols / 64; ++blk) {
+            tma_load_4d(q_dst + blk * kRows * 64, &m.q, bar, blk * 64, h, q0, int(b));
+            tma_load_4d(do_dst + blk * kRows * 64, &m.dout, bar, blk * 64, h, q0, int(b));
+        }
+        bulk_load(lse2_dst, lse2, kRows * 4, bar);
+        bulk_load(delta_dst, delta, kRows * 4, bar);
+    }
+    // The K and V tiles of keys k0 .. k0 + kRows - 1 into a stage, landing on `bar`.
+    static __device__ __forceinline__ void load_kv(const Maps& m, uint16_t* k_dst, uint16_t* v_dst, uint64_t* bar,
+                                                   int64_t b, int k0, int kvh) {
+        mbar_arrive_expect(bar, uint32_t(2 * kLoadHalves * 2));
+#pragma unroll
+        for (int blk = 0; blk < kCols / 64; ++blk) {
+            tma_load_4d(k_dst + blk * kRows * 64, &m.k, bar, blk * 64, kvh, k0, int(b));
+            tma_load_4d(v_dst + blk * kRows * 64, &m.v, bar, blk * 64, kvh, k0, int(b));
+        }
+    }
+    static __device__ __forceinline__ void await_step(uint64_t* bar, uint32_t parity) { mbar_wait(bar, parity); }
+};
 
 }  // namespace
 #endif  // GQA_COMMON_TMA_CUH

@@ -435,6 +435,12 @@ gqa_fwd_kernel(const GqaParams p, const TileDivs dv) {
         const int R = row_of(r);
         if (R >= rows_total) continue;
         Elem* dst = o_base + int64_t(row_t[r]) * p.o_stride_t + int64_t(R - row_t[r] * G) * p.o_stride_h;
+        // x3, kept for a backward (whose x3 unit then needs no pass of its own over the keys): m in
+        // log2 units, l relative to it and carrying P's 2^kX3PShift.
+        if constexpr (kX3) {
+            if (p.lse2 != nullptr && tig == 0)
+                p.lse2[(int64_t(b) * T + row_t[r]) * p.Hq + int64_t(kvh) * G + (R - row_t[r] * G)] = m[r] + log2f(l[r]) - kX3PShift;
+        }
         const float(&ot)[kDTiles][4] = o[r >> 1];
         const int h = 2 * (r & 1);
 #pragma unroll

@@ -1,0 +1,241 @@
+// The backward's x3 unit (sm_90a): fp32 at head_dim 64 and 128 as three fp16 wgmma products per
+// product, a unit per width (GQA_WIDTH). Two pre-passes, then the two kernels of
+// bwdmma/kernels.cuh over X3Products:
+//  1. x3_bwd_absmax_kernel: the largest finite |x| of each of q, k, v and dO (each then scaled by
+//     its own power of two 2^e, x3/rules.cuh's x3_exponent: the largest into [2^14, 2^15)), and
+//     the flag for Inf and NaN.
+//  2. x3_bwd_split_kernel: each scaled row as fp16 hi = fp16(x 2^e) and lo = fp16(x 2^e - hi) into
+//     the scratch ([B, T, heads, 2 DP]: hi, then lo), delta = rowsum(dO o) in fp32, and the
+//     largest row norms of the scaled dO, V and o (o in V's scale), which bound |dP - delta|.
+//  3. The dQ and dK/dV kernels read those rows as 128-byte-swizzled tiles of width 2 DP (hi in the
+//     first DP columns): S and dP as lo hi + hi lo + hi hi (lo lo, about 2^-22 of a product, is
+//     dropped); P (<= 1) times 2^kX3BwdPShift and dS times a power of two that puts the bound of
+//     |dS| at 2^14 are split in registers the same way for dV, dK and dQ. The gradients leave
+//     with every power of two undone (BwdIo).
+
+#include "bwdmma/kernels.cuh"
+#include "common/tma.cuh"
+#include "x3/rules.cuh"
+
+namespace {
+
+constexpr float kX3BwdPShift = 14.f;   // P <= 1, times 2^14 before its split
+constexpr int kX3BwdThreads = 256;
+
+// The scratch (gqa_x3_bwd_floats): the statistics (zeroed on every call), then the split rows.
+enum X3BwdStat { kAbsQ = 0, kAbsK, kAbsV, kAbsDout, kNormDout, kNormV, kNormO, kX3BwdStats };
+struct X3BwdWork {
+    uint32_t* stats;                  // [kX3BwdStats]: float bits of non-negative values
+    uint16_t *q, *k, *v, *dout;       // [B, T, heads, 2 DP] fp16: hi, then lo
+};
+__host__ __device__ inline X3BwdWork x3_bwd_work(const GqaBwdParams& p) {
+    char* base = static_cast<char*>(p.work);
+    const int64_t rows_q = int64_t(p.B) * p.T * p.Hq * 2 * p.D, rows_kv = int64_t(p.B) * p.T * p.Hkv * 2 * p.D;
+    X3BwdWork w;
+    w.stats = reinterpret_cast<uint32_t*>(base);
+    w.q = reinterpret_cast<uint16_t*>(base + kGqaX3BwdStatsBytes);
+    w.dout = w.q + rows_q;
+    w.k = w.dout + rows_q;
+    w.v = w.k + rows_kv;
+    return w;
+}
+// Tensor z (X3BwdStat kAbsQ .. kAbsDout) of the call, its heads and its split rows.
+__device__ __forceinline__ const float* x3_bwd_input(const GqaBwdParams& p, int z) {
+    return static_cast<const float*>(z == kAbsQ ? p.q : z == kAbsK ? p.k : z == kAbsV ? p.v : p.dout);
+}
+__device__ __forceinline__ int x3_bwd_heads(const GqaBwdParams& p, int z) { return z == kAbsK || z == kAbsV ? p.Hkv : p.Hq; }
+__device__ __forceinline__ uint16_t* x3_bwd_rows(const X3BwdWork& w, int z) {
+    return z == kAbsQ ? w.q : z == kAbsK ? w.k : z == kAbsV ? w.v : w.dout;
+}
+
+// Pre-pass 1. Grid (blocks, 4): blockIdx.y is the tensor.
+__global__ void __launch_bounds__(kX3BwdThreads) x3_bwd_absmax_kernel(const GqaBwdParams p) {
+    const X3BwdWork w = x3_bwd_work(p);
+    const int z = int(blockIdx.y);
+    const float4* x = reinterpret_cast<const float4*>(x3_bwd_input(p, z));
+    const int64_t n4 = int64_t(p.B) * p.T * x3_bwd_heads(p, z) * p.D / 4;   // D is 64 or 128
+    uint32_t m = 0u;
+    bool bad = false;
+    for (int64_t i = int64_t(blockIdx.x) * kX3BwdThreads + threadIdx.x; i < n4; i += int64_t(gridDim.x) * kX3BwdThreads) {
+        const float4 v = __ldg(x + i);
+        const float c[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const bool finite = isfinite(c[j]);
+            bad |= !finite;
+            m = finite ? max(m, __float_as_uint(fabsf(c[j]))) : m;
+        }
+    }
+    m = __reduce_max_sync(0xffffffffu, m);
+    bad = __any_sync(0xffffffffu, bad);
+    if (threadIdx.x % 32 == 0) {
+        if (m != 0u) atomicMax(&w.stats[z], m);
+        if (bad) atomicOr(p.nonfinite, 1);
+    }
+}
+
+// Sum over the kLanes lanes that hold one row (aligned groups of a warp).
+template <int kLanes> __device__ __forceinline__ float row_sum(float x) {
+#pragma unroll
+    for (int m = kLanes / 2; m > 0; m /= 2) x += __shfl_xor_sync(0xffffffffu, x, m);
+    return x;
+}
+
+// Pre-pass 2. Grid (blocks, 4): blockIdx.y is the tensor; a row is DP / 4 lanes, a float4 each.
+template <int DP>
+__global__ void __launch_bounds__(kX3BwdThreads) x3_bwd_split_kernel(const GqaBwdParams p) {
+    constexpr int kLanes = DP / 4, kRowsPerWarp = 32 / kLanes;
+    const X3BwdWork w = x3_bwd_work(p);
+    const int z = int(blockIdx.y), heads = x3_bwd_heads(p, z), lane = int(threadIdx.x) % 32, sub = lane % kLanes;
+    const float* x = x3_bwd_input(p, z);
+    uint16_t* dst = x3_bwd_rows(w, z);
+    const int e = x3_exponent(w.stats[z]), e_v = x3_exponent(w.stats[kAbsV]);
+    const int64_t rows = int64_t(p.B) * p.T * heads;
+    const int64_t warps = int64_t(gridDim.x) * (kX3BwdThreads / 32);
+    float norm2 = 0.f, o_norm2 = 0.f;   // largest squared row norms, scaled (z = dO: and of o)
+    // Warp-uniform rounds, so that every lane takes part in the row sums' shuffles.
+    for (int64_t r0 = (int64_t(blockIdx.x) * (kX3BwdThreads / 32) + threadIdx.x / 32) * kRowsPerWarp; r0 < rows;
+         r0 += warps * kRowsPerWarp) {
+        const int64_t r = r0 + lane / kLanes;
+        const bool valid = r < rows;
+        const float4 v = valid ? __ldg(reinterpret_cast<const float4*>(x + r * DP) + sub) : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float a[4] = {x3_scale(v.x, e), x3_scale(v.y, e), x3_scale(v.z, e), x3_scale(v.w, e)};
+        uint32_t hi[2], lo[2];
+        x3_split2(a[0], a[1], hi[0], lo[0]);
+        x3_split2(a[2], a[3], hi[1], lo[1]);
+        if (valid) {
+            uint16_t* row = dst + r * (2 * DP) + 4 * sub;
+            *reinterpret_cast<uint2*>(row) = make_uint2(hi[0], hi[1]);
+            *reinterpret_cast<uint2*>(row + DP) = make_uint2(lo[0], lo[1]);
+        }
+        if (z == kAbsV || z == kAbsDout) norm2 = fmaxf(norm2, row_sum<kLanes>(a[0] * a[0] + a[1] * a[1] + a[2] * a[2] + a[3] * a[3]));
+        if (z == kAbsDout) {   // delta of this query row, and the scaled norm of its o
+            const float4 o = valid ? __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.o) + r * DP) + sub)
+                                   : make_float4(0.f, 0.f, 0.f, 0.f);
+            const float delta = row_sum<kLanes>(v.x * o.x + v.y * o.y + v.z * o.z + v.w * o.w);
+            const float b[4] = {x3_scale(o.x, e_v), x3_scale(o.y, e_v), x3_scale(o.z, e_v), x3_scale(o.w, e_v)};
+            o_norm2 = fmaxf(o_norm2, row_sum<kLanes>(b[0] * b[0] + b[1] * b[1] + b[2] * b[2] + b[3] * b[3]));
+            if (valid && sub == 0) {
+                const int h = int(r % heads), t = int(r / heads % p.T);
+                p.delta[bwd_stat_row(r / heads / p.T, h, t, p)] = delta;
+            }
+        }
+    }
+    // Non-finite rows (flagged by pre-pass 1) make NaN norms, which fmaxf drops; the call then
+    // takes the row-wise kernels anyway.
+    if (z == kAbsV || z == kAbsDout) {
+        norm2 = __reduce_max_sync(0xffffffffu, __float_as_uint(norm2)) == 0u ? 0.f
+                                                                            : __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(norm2)));
+        if (lane == 0 && norm2 > 0.f) atomicMax(&w.stats[z == kAbsV ? kNormV : kNormDout], __float_as_uint(norm2));
+    }
+    if (z == kAbsDout) {
+        o_norm2 = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(o_norm2)));
+        if (lane == 0 && o_norm2 > 0.f) atomicMax(&w.stats[kNormO], __float_as_uint(o_norm2));
+    }
+}
+
+// The products policy of bwdmma/kernels.cuh for the split rows: wgmma from 128-byte-swizzled tiles
+// of width 2 DP (hi, then lo), loads by TMA as WgProducts's (BwdTmaLoads).
+template <int DP_> struct X3Products : BwdTmaLoads<kTile, 2 * DP_> {
+    static constexpr bool kBf16 = false;   // the split rows are fp16
+    static constexpr int kDtype = kGqaFloat32;
+    static constexpr int DP = DP_, kRowValues = 2 * DP, kTileHalves = kTile * 2 * DP, kAlign = 1024, kOut = DP;
+    static constexpr bool kDeltaGiven = true, kTma = true;
+    // The accumulators into the fp32 rows of dK and dV every 4 steps, of dQ every 2 key tiles
+    // (bwdmma/kernels.cuh, flush_rows; bench/NOTES.md v72, v74): 12 wgmma additions a step, each
+    // truncating, so at most 48 and 24 of them between additions rounded to nearest.
+    static constexpr int kFlushSteps = 4, kDqFlushSteps = 2;
+    // The next step's products are not issued behind this step's last one (kBwdEarlyIssue): with
+    // one warpgroup an SM at width 128 that lost 1.2x here (v74).
+    static constexpr bool kEarlyIssue = false;
+    static constexpr int kKeyGroups = 1, kRowGroups = 1;
+    static constexpr int kLoHalves = DP / 64 * kTile * 64;   // a tile's lo part, past its hi part
+    using Out = float;
+    static __device__ __forceinline__ const uint16_t* columns(const uint16_t* tile, int col0) { return tile + (col0 / 64) * kTile * 64; }
+    static __device__ __forceinline__ uint16_t* aligned(uint16_t* smem) {
+        const uint32_t misaligned = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) & (kAlign - 1);
+        return smem + ((kAlign - misaligned) & (kAlign - 1)) / 2;
+    }
+    static __device__ __forceinline__ void load(uint16_t* tile, const uint16_t* base, int64_t b, int row0, int head,
+                                                int heads, int T) {
+        swizzled_load<2 * DP, kTile, kThreads>(tile, base, b, row0, head, heads, T);
+    }
+    static __device__ __forceinline__ void landed() { fence_async_proxy(); }
+    static cudaError_t make_maps(const GqaBwdParams& p, typename BwdTmaLoads<kTile, 2 * DP_>::Maps* m) {
+        const X3BwdWork w = x3_bwd_work(p);
+        return BwdTmaLoads<kTile, 2 * DP_>::make_maps_of(p, {w.q, w.dout, w.k, w.v}, false, m);
+    }
+    // The scale factors, from the pre-passes' statistics (see the file's comment).
+    static __device__ __forceinline__ BwdIo io(const GqaBwdParams& p) {
+        const X3BwdWork w = x3_bwd_work(p);
+        const int e_q = x3_exponent(w.stats[kAbsQ]), e_k = x3_exponent(w.stats[kAbsK]);
+        const int e_v = x3_exponent(w.stats[kAbsV]), e_do = x3_exponent(w.stats[kAbsDout]);
+        // |dP - delta| <= |dO| (|V| + |o|) row by row, in the scaled units.
+        const float bound = sqrtf(__uint_as_float(w.stats[kNormDout])) *
+                            (sqrtf(__uint_as_float(w.stats[kNormV])) + sqrtf(__uint_as_float(w.stats[kNormO])));
+        const int e_ds = bound > 0.f ? 14 - int(ceilf(log2f(bound))) : 0;
+        BwdIo io;
+        io.q = w.q, io.k = w.k, io.v = w.v, io.dout = w.dout;
+        io.scale_log2 = ldexpf(p.scale_log2, -(e_q + e_k));
+        io.p_mul = exp2f(kX3BwdPShift);
+        io.ds_mul = ldexpf(1.f, e_ds);
+        io.e_delta = e_do + e_v;
+        io.e_dq = -(e_do + e_v + e_ds + e_k);
+        io.e_dk = -(e_do + e_v + e_ds + e_q);
+        io.e_dv = -(int(kX3BwdPShift) + e_do);
+        return io;
+    }
+    static __device__ __forceinline__ void store2(Out* out, float a, float b, int e) {
+        *reinterpret_cast<float2*>(out) = make_float2(ldexpf(a, e), ldexpf(b, e));
+    }
+    // s = A B^T over the split rows: the two small terms first, then hi hi, as one commit group.
+    static __device__ __forceinline__ void qk_issue(float (&s)[1][kTile / 8][4], const uint16_t* a, const uint16_t* b, int, int) {
+        qk_wgmma<false, DP, kTile, kTile>(s[0], a + kLoHalves, 0, b);
+        qk_wgmma<false, DP, kTile, kTile>(s[0], a, 0, b + kLoHalves, true);
+        qk_wgmma<false, DP, kTile, kTile>(s[0], a, 0, b, true);
+        wg_commit();
+    }
+    // o += (s mult) B, s mult split into hi (into pa) and lo A fragments, as one commit group.
+    static __device__ __forceinline__ void pv_issue(float (&o)[1][kOut / 8][4], uint32_t (&pa)[kTile / 16][4],
+                                                    const float (&s)[1][kTile / 8][4], const uint16_t* b, int, float mult) {
+        uint32_t lo[kTile / 16][4];
+#pragma unroll
+        for (int ks = 0; ks < kTile / 16; ++ks) {
+            x3_split2(s[0][2 * ks][0] * mult, s[0][2 * ks][1] * mult, pa[ks][0], lo[ks][0]);
+            x3_split2(s[0][2 * ks][2] * mult, s[0][2 * ks][3] * mult, pa[ks][1], lo[ks][1]);
+            x3_split2(s[0][2 * ks + 1][0] * mult, s[0][2 * ks + 1][1] * mult, pa[ks][2], lo[ks][2]);
+            x3_split2(s[0][2 * ks + 1][2] * mult, s[0][2 * ks + 1][3] * mult, pa[ks][3], lo[ks][3]);
+        }
+        pv_wgmma<false, kOut, kTile>(o[0], lo, b);
+        pv_wgmma<false, kOut, kTile>(o[0], pa, b + kLoHalves);
+        pv_wgmma<false, kOut, kTile>(o[0], pa, b);
+        wg_commit();
+    }
+    template <int N> static __device__ __forceinline__ void wait() { wg_wait<N>(); }
+    template <int X> static __device__ __forceinline__ void settle(float (&r)[1][X][4]) {
+        fence_regs(reinterpret_cast<float(&)[X * 4]>(r));
+    }
+};
+
+static_assert(GQA_DTYPE == kGqaFloat32 && (GQA_WIDTH == 64 || GQA_WIDTH == 128), "a unit for fp32 at width 64 or 128");
+
+}  // namespace
+
+extern "C" int gqa_launch_bwdx3(const GqaBwdParams* params, void* stream) {
+    const GqaBwdParams& p = *params;
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    int dev = 0;
+    cudaError_t err = cudaGetDevice(&dev);
+    if (err != cudaSuccess) return int(err);
+    if (p.dtype != kGqaFloat32 || p.D != GQA_WIDTH || p.work == nullptr) return int(cudaErrorInvalidValue);
+    err = cudaMemsetAsync(x3_bwd_work(p).stats, 0, kX3BwdStats * sizeof(uint32_t), s);
+    if (err != cudaSuccess) return int(err);
+    const int64_t rows = int64_t(p.B) * p.T * p.Hq;   // the most rows of the four tensors
+    const unsigned absmax_blocks = unsigned(std::min<int64_t>((rows * p.D / 4 + kX3BwdThreads - 1) / kX3BwdThreads, 1024));
+    const unsigned split_blocks = unsigned(std::min<int64_t>((rows * (p.D / 4) + kX3BwdThreads - 1) / kX3BwdThreads, 4096));
+    x3_bwd_absmax_kernel<<<dim3(absmax_blocks, 4), kX3BwdThreads, 0, s>>>(p);
+    x3_bwd_split_kernel<GQA_WIDTH><<<dim3(split_blocks, 4), kX3BwdThreads, 0, s>>>(p);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return int(err);
+    return int(bwd_launch<X3Products<GQA_WIDTH>>(p, s, dev));
+}
