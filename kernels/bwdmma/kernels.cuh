@@ -106,41 +106,40 @@ template <bool kBf16> struct Bwd16BitIo {
 // of accumulator rows frag_row(lane, 2 half), or null past T; `first`: store instead of add. The
 // adds are reductions in L2 (nothing comes back, so nothing waits for a load: v74); only this
 // thread touches its rows, in program order, so the sums are the same on every run.
-template <int X, class RowOf>
-__device__ __forceinline__ void flush_rows(float (&acc)[1][X][4], const RowOf& out_row, int lane, bool first) {
+// Adds pair(n, half) (a float2 of the thread's accumulator, which pair zeroes) at each of its X
+// n-tiles' columns of row out_row(half).
+template <int X, class RowOf, class PairOf>
+__device__ __forceinline__ void flush_pairs(const RowOf& out_row, int lane, bool first, const PairOf& pair) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         float* row = out_row(half);
 #pragma unroll
         for (int n = 0; n < X; ++n) {
-            if (row != nullptr) {
-                float2* at = reinterpret_cast<float2*>(row + frag_col(lane, n, 0));
-                const float2 add = make_float2(acc[0][n][2 * half], acc[0][n][2 * half + 1]);
-                if (first) __stcg(at, add);
-                else atomicAdd(at, add);
-            }
-            acc[0][n][2 * half] = acc[0][n][2 * half + 1] = 0.f;
+            const float2 add = pair(n, half);
+            if (row == nullptr) continue;
+            float2* at = reinterpret_cast<float2*>(row + frag_col(lane, n, 0));
+            if (first) __stcg(at, add);
+            else atomicAdd(at, add);
         }
     }
 }
+template <int X, class RowOf>
+__device__ __forceinline__ void flush_rows(float (&acc)[1][X][4], const RowOf& out_row, int lane, bool first) {
+    flush_pairs<X>(out_row, lane, first, [&](int n, int half) {
+        const float2 x = make_float2(acc[0][n][2 * half], acc[0][n][2 * half + 1]);
+        acc[0][n][2 * half] = acc[0][n][2 * half + 1] = 0.f;
+        return x;
+    });
+}
 // flush_rows for an fp16 accumulator (wgmma's fp16 layout: register 2 n + h holds elements 2 h and
-// 2 h + 1 of n-tile n), added into fp32 rows.
+// 2 h + 1 of n-tile n).
 template <int X, class RowOf>
 __device__ __forceinline__ void flush_half_rows(uint32_t (&acc)[X][2], const RowOf& out_row, int lane, bool first) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        float* row = out_row(half);
-#pragma unroll
-        for (int n = 0; n < X; ++n) {
-            if (row != nullptr) {
-                float2* at = reinterpret_cast<float2*>(row + frag_col(lane, n, 0));
-                const float2 add = __half22float2(*reinterpret_cast<const __half2*>(&acc[n][half]));
-                if (first) __stcg(at, add);
-                else atomicAdd(at, add);
-            }
-            acc[n][half] = 0u;
-        }
-    }
+    flush_pairs<X>(out_row, lane, first, [&](int n, int half) {
+        const float2 x = __half22float2(*reinterpret_cast<const __half2*>(&acc[n][half]));
+        acc[n][half] = 0u;
+        return x;
+    });
 }
 // The flushed sums back into the accumulator, before its last store.
 template <int X, class RowOf>
