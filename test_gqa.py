@@ -1691,6 +1691,37 @@ def test_gpu_backward_fp32_matches_float64(B, T, Hq, Hkv, D):
 
 
 @needs_gpu
+@pytest.mark.parametrize("B, T, Hq, Hkv, D", [(1, 1000, 8, 2, 128), (2, 300, 6, 3, 64)])
+def test_gpu_backward_fp32_ignores_the_outputs_last_bits(B, T, Hq, Hkv, D):
+    """The fp32 backward takes delta = rowsum(dO o) from the forward's o, whose last bits need not
+    match the P it recomputes. On the uneven-magnitudes inputs (a nearly one-hot head, one grad_out
+    row 1e3 larger) that mismatch shows magnified in dq and dk unless the kernels make their dS sum
+    to zero whatever o is (Pol::kDeltaFix). o off by 1e-5 relative in each element may move dq by
+    at most 2e-6 of its norm and dk by 1e-6 (a float64 model, bench/x3_backward_emulation.py
+    --delta, three draws of each shape: without the correction dq moves 8e-6 to 1.7e-4 here and dk
+    1.8e-6 to 4.5e-5; with it at most 1.9e-7 and 5.2e-8). dv does not read delta: it stays equal."""
+    q, k, v = make_qkv(B, T, Hq, Hkv, D, device="cuda")
+    assert gqa_module.backward_plan(q, k, v) == fp32_backward_plan(T, D)
+    q[:, :, 0] *= 1e3
+    k *= 1e-3
+    k[..., 1] *= 1e2
+    v[..., 0] *= 1e-3
+    grad_out = torch.randn_like(q) * 1e-6
+    grad_out[:, T // 2] *= 1e3
+    ops = gqa_module.load_extension()
+    out, lse2 = ops.causal_attention_trainable.default(q, k, v)
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed_of("output noise", B, T, D))
+    noisy = out * (1 + 1e-5 * torch.randn(out.shape, generator=gen, dtype=torch.float64).to("cuda")).float()
+    base = ops.causal_attention_backward.default(q, k, v, out, grad_out, lse2)
+    moved = ops.causal_attention_backward.default(q, k, v, noisy, grad_out, lse2)
+    for name, a, b, bound in zip(("dq", "dk", "dv"), base, moved, (2e-6, 1e-6, 0.0)):
+        assert torch.isfinite(a).all() and torch.isfinite(b).all(), name
+        print("%s moved %.3g" % (name, rel_err(b, a)))
+        assert rel_err(b, a) <= bound, name
+
+
+@needs_gpu
 @pytest.mark.parametrize("B, T, Hq, Hkv, D", [(1, 1000, 8, 2, 128), (2, 300, 6, 3, 64), (1, 4097, 4, 1, 128)])
 def test_gpu_backward_fp32_uneven_magnitudes(B, T, Hq, Hkv, D):
     """fp32 gradients where the inputs' magnitudes differ by orders: one query head 1e3 larger

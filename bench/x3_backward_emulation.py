@@ -143,12 +143,29 @@ def delta_sensitivity(B=1, T=1000, Hq=8, Hkv=2, D=128):
         _, _, dk_fixed = grads(delta + c)
         print("%s: dq rel %.3g, dk rel %.3g; corrected: dq %.3g, dk %.3g"
               % (name, rel(dq, dq0), rel(dk, dk0), rel(dq_fixed, dq0), rel(dk_fixed, dk0)))
+    # What test_gpu_backward_fp32_ignores_the_outputs_last_bits measures: how far o off by 1e-5
+    # relative moves dq and dk, without and with the correction.
+    noisy = o * (1 + 1e-5 * torch.randn_like(o))
+    for fixed in (False, True):
+        got = []
+        for oo in (o, noisy):
+            delta = (g * oo).sum(-1).transpose(1, 2).unsqueeze(-1)
+            dS, dq, _ = grads(delta)
+            c = dS.float().double().sum(-1, keepdim=True) if fixed else torch.zeros_like(delta)
+            dq = dq - sc * c.squeeze(-1).transpose(1, 2).unsqueeze(-1) * pk
+            got.append((dq, grads(delta + c)[2]))
+        print("o off by 1e-5, %s: dq moves %.3g, dk moves %.3g" % (
+            "corrected" if fixed else "as it is", rel(got[1][0], got[0][0]), rel(got[1][1], got[0][1])))
 
 if __name__ == "__main__":
     if "--accumulation" in sys.argv:
         accumulation()
     elif "--delta" in sys.argv:
-        delta_sensitivity()
+        for seed in range(3):
+            for shape in ((1, 1000, 8, 2, 128), (2, 300, 6, 3, 64)):
+                torch.manual_seed(seed)
+                print("seed %d, shape %s" % (seed, shape))
+                delta_sensitivity(*shape)
     else:
         for uneven in (False, True):
             print("uneven" if uneven else "plain")
