@@ -1690,16 +1690,11 @@ def test_gpu_backward_fp32_matches_float64(B, T, Hq, Hkv, D):
         assert worst <= 1e-4, name
 
 
-@needs_gpu
-@pytest.mark.parametrize("B, T, Hq, Hkv, D", [(1, 1000, 8, 2, 128), (2, 300, 6, 3, 64), (1, 4097, 4, 1, 128)])
-def test_gpu_backward_fp32_uneven_magnitudes(B, T, Hq, Hkv, D):
-    """fp32 gradients where the inputs' magnitudes differ by orders: one query head 1e3 larger
+def uneven_fp32_inputs(B, T, Hq, Hkv, D):
+    """q, k, v and grad_out on the GPU whose magnitudes differ by orders: one query head 1e3 larger
     than the others, keys 1e-3 smaller with one channel 1e2 larger than the rest, one channel of v
-    1e-3 smaller, grad_out at 1e-6 (a loss scaled down) with one query row 1e3 larger. The scores
-    stay within tens, where fp32 itself keeps the softmax to about 1e-6. Against float64:
-    norm-relative error at most 1e-5 for each of dq, dk, dv, and no head-dim channel off by more
-    than 1e-4 of its own norm (where a power-of-two scale per tensor, as the x3 unit takes, would
-    cost the small heads, channels or rows their bits)."""
+    1e-3 smaller, grad_out at 1e-6 (a loss scaled down) with one query row 1e3 larger; checked to
+    take the fp32 backward's plan for the shape."""
     q, k, v = make_qkv(B, T, Hq, Hkv, D, device="cuda")
     assert gqa_module.backward_plan(q, k, v) == fp32_backward_plan(T, D)
     q[:, :, 0] *= 1e3
@@ -1708,6 +1703,42 @@ def test_gpu_backward_fp32_uneven_magnitudes(B, T, Hq, Hkv, D):
     v[..., 0] *= 1e-3
     grad_out = torch.randn_like(q) * 1e-6
     grad_out[:, T // 2] *= 1e3
+    return q, k, v, grad_out
+
+
+@needs_gpu
+@pytest.mark.parametrize("B, T, Hq, Hkv, D", [(1, 1000, 8, 2, 128), (2, 300, 6, 3, 64)])
+def test_gpu_backward_fp32_ignores_the_outputs_last_bits(B, T, Hq, Hkv, D):
+    """The fp32 backward takes delta = rowsum(dO o) from the forward's o, whose last bits need not
+    match the P it recomputes. On uneven_fp32_inputs (a nearly one-hot head, one grad_out row 1e3
+    larger) that mismatch shows magnified in dq and dk unless the kernels make their dS sum
+    to zero whatever o is (Pol::kDeltaFix). o off by 1e-5 relative in each element may move dq by
+    at most 2e-6 of its norm and dk by 1e-6 (a float64 model, bench/x3_backward_emulation.py
+    --delta, three draws of each shape: without the correction dq moves 8e-6 to 1.7e-4 here and dk
+    1.8e-6 to 4.5e-5; with it at most 1.9e-7 and 5.2e-8). dv does not read delta: it stays equal."""
+    q, k, v, grad_out = uneven_fp32_inputs(B, T, Hq, Hkv, D)
+    ops = gqa_module.load_extension()
+    out, lse2 = ops.causal_attention_trainable.default(q, k, v)
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed_of("output noise", B, T, D))
+    noisy = out * (1 + 1e-5 * torch.randn(out.shape, generator=gen, dtype=torch.float64).to("cuda")).float()
+    base = ops.causal_attention_backward.default(q, k, v, out, grad_out, lse2)
+    moved = ops.causal_attention_backward.default(q, k, v, noisy, grad_out, lse2)
+    for name, a, b, bound in zip(("dq", "dk", "dv"), base, moved, (2e-6, 1e-6, 0.0)):
+        assert torch.isfinite(a).all() and torch.isfinite(b).all(), name
+        print("%s moved %.3g" % (name, rel_err(b, a)))
+        assert rel_err(b, a) <= bound, name
+
+
+@needs_gpu
+@pytest.mark.parametrize("B, T, Hq, Hkv, D", [(1, 1000, 8, 2, 128), (2, 300, 6, 3, 64), (1, 4097, 4, 1, 128)])
+def test_gpu_backward_fp32_uneven_magnitudes(B, T, Hq, Hkv, D):
+    """fp32 gradients where the inputs' magnitudes differ by orders (uneven_fp32_inputs). The
+    scores stay within tens, where fp32 itself keeps the softmax to about 1e-6. Against float64:
+    norm-relative error at most 1e-5 for each of dq, dk, dv, and no head-dim channel off by more
+    than 1e-4 of its own norm (where a power-of-two scale per tensor, as the x3 unit takes, would
+    cost the small heads, channels or rows their bits)."""
+    q, k, v, grad_out = uneven_fp32_inputs(B, T, Hq, Hkv, D)
     exact = reference_grads(q, k, v, grad_out)
     for name, got, ref in zip(("dq", "dk", "dv"), project_grads(q, k, v, grad_out), exact):
         assert torch.isfinite(got).all(), name

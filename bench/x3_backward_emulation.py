@@ -8,7 +8,8 @@ With --accumulation: dV's sums over the steps of a long sequence with every k16 
 the accumulator rounded toward zero (a model of the tensor core's additions), never flushed or
 flushed into an fp32 sum every 4 or 2 steps (NOTES v72).
 With --delta: on the uneven inputs, exact arithmetic except delta = rowsum(dO o) from an o off by
-a given relative noise per element (the forward's error), against delta = sum P dP (NOTES v74).
+a given relative noise per element (the forward's error), against delta = sum P dP (NOTES v74),
+and with the dQ kernel's correction of it (v75).
 `python bench/x3_backward_emulation.py [--accumulation | --delta]`."""
 import math
 import os
@@ -109,33 +110,62 @@ def accumulation(T=4097, D=64, G=2, keys=1024):
 
 
 def delta_sensitivity(B=1, T=1000, Hq=8, Hkv=2, D=128):
-    """dq's norm-relative error on the uneven inputs when everything is exact but the o that delta
-    is taken from: exact, rounded to fp32, or with relative noise per element."""
+    """dq's and dk's norm-relative errors on the uneven inputs when everything is exact but the o
+    that delta is taken from (exact, rounded to fp32, or with relative noise per element); then
+    the same with the dQ kernel's correction (NOTES v75): c = the row sums of dS (rounded to fp32),
+    dq -= c sum_j P_ij k_j / sqrt(D) with that sum from fp16 P and k, and dk from delta + c."""
     q, k, v = (torch.randn(B, T, H, D, dtype=torch.float64) for H in (Hq, Hkv, Hkv))
     g = torch.randn(B, T, Hq, D, dtype=torch.float64)
     q[:, :, 0] *= 1e3; k *= 1e-3; k[..., 1] *= 1e2; v[..., 0] *= 1e-3
     g *= 1e-6; g[:, T // 2] *= 1e3
     G = Hq // Hkv
     kk, vv = k.repeat_interleave(G, 2), v.repeat_interleave(G, 2)
-    s = torch.einsum("bthd,bshd->bhts", q, kk) / math.sqrt(D)
+    sc = 1 / math.sqrt(D)
+    s = torch.einsum("bthd,bshd->bhts", q, kk) * sc
     P = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
     o = torch.einsum("bhts,bshd->bthd", P, vv)
     dP = torch.einsum("bthd,bshd->bhts", g, vv)
-    def dq_of(delta):   # delta [B, Hq, T, 1]
-        return torch.einsum("bhts,bshd->bthd", P * (dP - delta), kk) / math.sqrt(D)
-    exact = dq_of((P * dP).sum(-1, keepdim=True))
+    def grads(delta):   # delta [B, Hq, T, 1]
+        dS = P * (dP - delta)
+        dq = torch.einsum("bhts,bshd->bthd", dS, kk) * sc
+        dk = torch.einsum("bhts,bthd->bshd", dS, q).reshape(B, T, Hkv, G, D).sum(3) * sc
+        return dS, dq, dk
+    _, dq0, dk0 = grads((P * dP).sum(-1, keepdim=True))
+    pk = torch.einsum("bhts,bshd->bthd", P.half().double(), kk.half().double())
+    rel = lambda a, r: ((a - r).norm() / r.norm()).item()
     cases = [("o exact", o), ("o rounded to fp32", o.float().double())]
     cases += [("o with %.2g relative noise" % r, o * (1 + r * torch.randn_like(o))) for r in (2.5e-7, 5e-7, 1e-6)]
     for name, oo in cases:
-        dq = dq_of((g * oo).sum(-1).transpose(1, 2).unsqueeze(-1))
-        print("%s: dq rel %.3g" % (name, ((dq - exact).norm() / exact.norm()).item()))
-
+        delta = (g * oo).sum(-1).transpose(1, 2).unsqueeze(-1)
+        dS, dq, dk = grads(delta)
+        c = dS.float().double().sum(-1, keepdim=True)
+        dq_fixed = dq - sc * c.squeeze(-1).transpose(1, 2).unsqueeze(-1) * pk
+        _, _, dk_fixed = grads(delta + c)
+        print("%s: dq rel %.3g, dk rel %.3g; corrected: dq %.3g, dk %.3g"
+              % (name, rel(dq, dq0), rel(dk, dk0), rel(dq_fixed, dq0), rel(dk_fixed, dk0)))
+    # What test_gpu_backward_fp32_ignores_the_outputs_last_bits measures: how far o off by 1e-5
+    # relative moves dq and dk, without and with the correction.
+    noisy = o * (1 + 1e-5 * torch.randn_like(o))
+    for fixed in (False, True):
+        got = []
+        for oo in (o, noisy):
+            delta = (g * oo).sum(-1).transpose(1, 2).unsqueeze(-1)
+            dS, dq, _ = grads(delta)
+            c = dS.float().double().sum(-1, keepdim=True) if fixed else torch.zeros_like(delta)
+            dq = dq - sc * c.squeeze(-1).transpose(1, 2).unsqueeze(-1) * pk
+            got.append((dq, grads(delta + c)[2]))
+        print("o off by 1e-5, %s: dq moves %.3g, dk moves %.3g" % (
+            "corrected" if fixed else "as it is", rel(got[1][0], got[0][0]), rel(got[1][1], got[0][1])))
 
 if __name__ == "__main__":
     if "--accumulation" in sys.argv:
         accumulation()
     elif "--delta" in sys.argv:
-        delta_sensitivity()
+        for seed in range(3):
+            for shape in ((1, 1000, 8, 2, 128), (2, 300, 6, 3, 64)):
+                torch.manual_seed(seed)
+                print("seed %d, shape %s" % (seed, shape))
+                delta_sensitivity(*shape)
     else:
         for uneven in (False, True):
             print("uneven" if uneven else "plain")

@@ -143,11 +143,12 @@ inline int64_t gqa_fused_dq_floats(const GqaBwdParams& p) {
     return blocks * 64 * p.D + blocks;
 }
 // The x3 unit's part of it: the statistics' bytes (the rows after them stay 16-byte aligned), then
-// q, dO, k and v as fp16 hi and lo rows of 2 D values.
+// q, dO, k and v as fp16 hi and lo rows of 2 D values, then fp32 rows of q's shape (the dQ kernel's
+// sum_j P_ij K_j).
 constexpr int64_t kGqaX3BwdStatsBytes = 256;
 inline int64_t gqa_x3_bwd_floats(const GqaBwdParams& p) {
     const int64_t halves = 2 * (int64_t(p.B) * p.T * (p.Hq + p.Hkv)) * 2 * p.D;
-    return kGqaX3BwdStatsBytes / 4 + halves / 2;
+    return kGqaX3BwdStatsBytes / 4 + halves / 2 + int64_t(p.B) * p.T * p.Hq * p.D;
 }
 // Reads q, k and v once and writes o = q: the memory floor of a call, for benchmarks.
 int gqa_read_floor(const GqaParams& params, void* stream);

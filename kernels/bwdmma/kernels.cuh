@@ -71,6 +71,7 @@ struct BwdIo {
     float p_mul, ds_mul;                // P and dS times these before their products
     int e_delta;                        // delta times 2^e_delta: dP's units
     int e_dq, e_dk, e_dv;               // the accumulators (dQ and dK times 1 / sqrt(D)) times 2^e
+    float* pk;                          // Pol::kDeltaFix: [B, T, Hq, D] fp32 rows of sum_j P_ij K_j
 };
 // The 16-bit policies' part of the interface: inputs as they are, fp16 or bf16 outputs.
 template <bool kBf16> struct Bwd16BitIo {
@@ -78,6 +79,7 @@ template <bool kBf16> struct Bwd16BitIo {
     static constexpr bool kDeltaGiven = false;   // the dQ kernel computes delta from dO and o
     static constexpr int kFlushSteps = 0;        // the accumulators stay in registers to the end
     static constexpr int kDqFlushSteps = 0;
+    static constexpr bool kDeltaFix = false;     // delta as the forward's rowsum(dO o), used as it is
     static constexpr bool kEarlyIssue = kBwdEarlyIssue;
     static __device__ __forceinline__ BwdIo io(const GqaBwdParams& p) {
         return {static_cast<const uint16_t*>(p.q), static_cast<const uint16_t*>(p.k), static_cast<const uint16_t*>(p.v),
@@ -88,6 +90,14 @@ template <bool kBf16> struct Bwd16BitIo {
     static __device__ __forceinline__ void store2(Out* out, float a, float b, int) { store_pair(out, a, b, kBf16); }
 };
 
+// Pol::kDeltaFix (x3): delta = rowsum(dO o) comes from the forward's o, whose last bits need not
+// match the P these kernels recompute; then sum_j dS_ij = c_i is not zero, and where a row's dQ is
+// small by cancellation (a nearly one-hot softmax) c_i sum_j P_ij K_j shows in it many times
+// magnified (bench/NOTES.md v74, v75). The dQ kernel, which sees every key of its rows, sums c_i
+// from the dS it uses and, in a low-precision product (fp16, added in fp32 at each flush), sum_j
+// P_ij K_j; at its end it takes ds_mul c_i sum_j P_ij K_j off dQ and writes delta + c_i for the
+// dK/dV kernel, whose dS then sum to zero as well.
+//
 // Pol::kFlushSteps, kDqFlushSteps > 0 (fp32 outputs): every kFlushSteps steps (the dQ kernel:
 // kDqFlushSteps key tiles) a kernel adds its accumulator into
 // the gradient's fp32 rows (in fp32, rounded to nearest) and restarts it from zero. The tensor
@@ -96,22 +106,40 @@ template <bool kBf16> struct Bwd16BitIo {
 // of accumulator rows frag_row(lane, 2 half), or null past T; `first`: store instead of add. The
 // adds are reductions in L2 (nothing comes back, so nothing waits for a load: v74); only this
 // thread touches its rows, in program order, so the sums are the same on every run.
-template <int X, class RowOf>
-__device__ __forceinline__ void flush_rows(float (&acc)[1][X][4], const RowOf& out_row, int lane, bool first) {
+// Adds pair(n, half) (a float2 of the thread's accumulator, which pair zeroes) at each of its X
+// n-tiles' columns of row out_row(half).
+template <int X, class RowOf, class PairOf>
+__device__ __forceinline__ void flush_pairs(const RowOf& out_row, int lane, bool first, const PairOf& pair) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         float* row = out_row(half);
 #pragma unroll
         for (int n = 0; n < X; ++n) {
-            if (row != nullptr) {
-                float2* at = reinterpret_cast<float2*>(row + frag_col(lane, n, 0));
-                const float2 add = make_float2(acc[0][n][2 * half], acc[0][n][2 * half + 1]);
-                if (first) __stcg(at, add);
-                else atomicAdd(at, add);
-            }
-            acc[0][n][2 * half] = acc[0][n][2 * half + 1] = 0.f;
+            const float2 add = pair(n, half);
+            if (row == nullptr) continue;
+            float2* at = reinterpret_cast<float2*>(row + frag_col(lane, n, 0));
+            if (first) __stcg(at, add);
+            else atomicAdd(at, add);
         }
     }
+}
+template <int X, class RowOf>
+__device__ __forceinline__ void flush_rows(float (&acc)[1][X][4], const RowOf& out_row, int lane, bool first) {
+    flush_pairs<X>(out_row, lane, first, [&](int n, int half) {
+        const float2 x = make_float2(acc[0][n][2 * half], acc[0][n][2 * half + 1]);
+        acc[0][n][2 * half] = acc[0][n][2 * half + 1] = 0.f;
+        return x;
+    });
+}
+// flush_rows for an fp16 accumulator (wgmma's fp16 layout: register 2 n + h holds elements 2 h and
+// 2 h + 1 of n-tile n).
+template <int X, class RowOf>
+__device__ __forceinline__ void flush_half_rows(uint32_t (&acc)[X][2], const RowOf& out_row, int lane, bool first) {
+    flush_pairs<X>(out_row, lane, first, [&](int n, int half) {
+        const float2 x = __half22float2(*reinterpret_cast<const __half2*>(&acc[n][half]));
+        acc[n][half] = 0u;
+        return x;
+    });
 }
 // The flushed sums back into the accumulator, before its last store.
 template <int X, class RowOf>
@@ -330,10 +358,16 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
     float dq[1][OUT / 8][4] = {};
     // Pol::kDqFlushSteps: this thread's fp32 rows of dQ (flushed after key tiles kDqFlushSteps - 1,
     // 2 kDqFlushSteps - 1, ..).
-    auto dq_row = [&](int half) -> float* {
+    auto row_of = [&](float* rows, int half) -> float* {
         const int t = q0 + 16 * warp + frag_row(lane, 2 * half);
-        return t < p.T ? reinterpret_cast<float*>(p.dq) + ((b * p.T + t) * p.Hq + h) * DP + col0 : nullptr;
+        return t < p.T ? rows + ((b * p.T + t) * p.Hq + h) * DP + col0 : nullptr;
     };
+    auto dq_row = [&](int half) { return row_of(reinterpret_cast<float*>(p.dq), half); };
+    // Pol::kDeltaFix: this thread's part of c (its two rows' sums of dS over its columns), and
+    // sum_j P_ij K_j in fp16, flushed with dQ into the fp32 rows io.pk.
+    float ds_sum[2] = {0.f, 0.f};
+    uint32_t pk[Pol::kDeltaFix ? OUT / 8 : 1][2] = {};
+    auto pk_row = [&](int half) { return row_of(io.pk, half); };
     auto load_kv = [&](int kt) {   // key tile kt + 1 into the other stage
         if (kt < kt_last) load_kv_tile(kt + 1, ((kt + 1) & 1) ^ 1);
         cp_async_commit();    // (empty on the last tile)
@@ -376,12 +410,21 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
                 for (int e = 0; e < 4; ++e)
                     if (masked(kt, n, e)) s[0][n][e] = 0.f;
         }
-        Pol::template wait<0>();
+        if constexpr (Pol::kDeltaFix) {   // sum_j P_ij K_j += P K (K's hi part), in fp16
+            uint32_t pf[kTile / 16][4];
+            pack_p<false, kTile / 8>(pf, s[0]);
+            Pol::pk_issue(pk, pf, Pol::columns(k_of(st), col0));
+        }
+        Pol::template wait<0>();   // dP (and P K)
         Pol::settle(dp);
+        if constexpr (Pol::kDeltaFix) fence_regs(reinterpret_cast<uint32_t(&)[OUT / 4]>(pk));
 #pragma unroll
         for (int n = 0; n < kTile / 8; ++n)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[0][n][e] *= dp[0][n][e] - delta[e >> 1];   // dS
+            for (int e = 0; e < 4; ++e) {
+                s[0][n][e] *= dp[0][n][e] - delta[e >> 1];   // dS
+                if constexpr (Pol::kDeltaFix) ds_sum[e >> 1] += s[0][n][e];
+            }
         uint32_t pa[kTile / 16][4];
         Pol::pv_issue(dq, pa, s, Pol::columns(k_of(st), col0), lane, io.ds_mul);
         if (!Pol::kEarlyIssue) {
@@ -393,6 +436,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
             if ((kt + 1) % Pol::kDqFlushSteps == 0) {
                 if constexpr (Pol::kEarlyIssue) Pol::template wait<0>(), Pol::settle(dq);   // (still running)
                 flush_rows(dq, dq_row, lane, kt + 1 == Pol::kDqFlushSteps);
+                if constexpr (Pol::kDeltaFix) flush_half_rows(pk, pk_row, lane, kt + 1 == Pol::kDqFlushSteps);
             }
         }
     }
@@ -400,6 +444,28 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
     Pol::settle(dq);
     if constexpr (Pol::kDqFlushSteps > 0 && !kStats) {
         if (kt_last + 1 >= Pol::kDqFlushSteps) take_back_rows(dq, dq_row, lane);
+    }
+    if constexpr (Pol::kDeltaFix && !kStats) {   // dS - c_i P_ij in place of dS, in dQ and in delta
+        static_assert(Pol::kDqFlushSteps > 0, "the correction's sums are flushed with dQ's");
+        float pk_f[1][OUT / 8][4];
+#pragma unroll
+        for (int n = 0; n < OUT / 8; ++n)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const float2 x = __half22float2(*reinterpret_cast<const __half2*>(&pk[n][half]));
+                pk_f[0][n][2 * half] = x.x, pk_f[0][n][2 * half + 1] = x.y;
+            }
+        if (kt_last + 1 >= Pol::kDqFlushSteps) take_back_rows(pk_f, pk_row, lane);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            ds_sum[half] += __shfl_xor_sync(0xffffffffu, ds_sum[half], 1);
+            ds_sum[half] += __shfl_xor_sync(0xffffffffu, ds_sum[half], 2);
+            delta[half] += ds_sum[half];
+        }
+#pragma unroll
+        for (int n = 0; n < OUT / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dq[0][n][e] -= io.ds_mul * ds_sum[e >> 1] * pk_f[0][n][e];
     }
     // The inputs' check: Inf or NaN in this CTA's Q tiles, or in its rows of dO or o, which makes
     // delta not finite (so does an fp32 overflow of finite bf16 products: the row-wise kernels

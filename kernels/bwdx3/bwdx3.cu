@@ -22,11 +22,13 @@ namespace {
 constexpr float kX3BwdPShift = 14.f;   // P <= 1, times 2^14 before its split
 constexpr int kX3BwdThreads = 256;
 
-// The scratch (gqa_x3_bwd_floats): the statistics (zeroed on every call), then the split rows.
+// The scratch (gqa_x3_bwd_floats): the statistics (zeroed on every call), the split rows, then the
+// dQ kernel's rows of sum_j P_ij K_j (X3Products::kDeltaFix).
 enum X3BwdStat { kAbsQ = 0, kAbsK, kAbsV, kAbsDout, kNormDout, kNormV, kNormO, kX3BwdStats };
 struct X3BwdWork {
     uint32_t* stats;                  // [kX3BwdStats]: float bits of non-negative values
     uint16_t *q, *k, *v, *dout;       // [B, T, heads, 2 DP] fp16: hi, then lo
+    float* pk;                        // [B, T, Hq, DP]: the dQ kernel's sum_j P_ij K_j (kDeltaFix)
 };
 __host__ __device__ inline X3BwdWork x3_bwd_work(const GqaBwdParams& p) {
     char* base = static_cast<char*>(p.work);
@@ -37,6 +39,7 @@ __host__ __device__ inline X3BwdWork x3_bwd_work(const GqaBwdParams& p) {
     w.dout = w.q + rows_q;
     w.k = w.dout + rows_q;
     w.v = w.k + rows_kv;
+    w.pk = reinterpret_cast<float*>(w.v + rows_kv);
     return w;
 }
 // Tensor z (X3BwdStat kAbsQ .. kAbsDout) of the call, its heads and its split rows.
@@ -148,6 +151,7 @@ template <int DP_> struct X3Products : BwdTmaLoads<kTile, 2 * DP_> {
     // The next step's products are not issued behind this step's last one (kBwdEarlyIssue): with
     // one warpgroup an SM at width 128 that lost 1.2x here (v74).
     static constexpr bool kEarlyIssue = false;
+    static constexpr bool kDeltaFix = true;   // (bwdmma/kernels.cuh)
     static constexpr int kKeyGroups = 1, kRowGroups = 1;
     static constexpr int kLoHalves = DP / 64 * kTile * 64;   // a tile's lo part, past its hi part
     using Out = float;
@@ -183,6 +187,7 @@ template <int DP_> struct X3Products : BwdTmaLoads<kTile, 2 * DP_> {
         io.e_dq = -(e_do + e_v + e_ds + e_k);
         io.e_dk = -(e_do + e_v + e_ds + e_q);
         io.e_dv = -(int(kX3BwdPShift) + e_do);
+        io.pk = w.pk;
         return io;
     }
     static __device__ __forceinline__ void store2(Out* out, float a, float b, int e) {
@@ -209,6 +214,12 @@ template <int DP_> struct X3Products : BwdTmaLoads<kTile, 2 * DP_> {
         pv_wgmma<false, kOut, kTile>(o[0], lo, b);
         pv_wgmma<false, kOut, kTile>(o[0], pa, b + kLoHalves);
         pv_wgmma<false, kOut, kTile>(o[0], pa, b);
+        wg_commit();
+    }
+    // pk += P K, P as fp16 A fragments, K's hi columns (`b`), an fp16 accumulator; one commit group.
+    static __device__ __forceinline__ void pk_issue(uint32_t (&pk)[kOut / 8][2], const uint32_t (&pf)[kTile / 16][4],
+                                                    const uint16_t* b) {
+        pv_wgmma_f16acc<kOut, kTile, kTile / 16>(pk, pf, b);
         wg_commit();
     }
     template <int N> static __device__ __forceinline__ void wait() { wg_wait<N>(); }

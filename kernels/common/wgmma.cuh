@@ -39,6 +39,10 @@ template <int N> __device__ __forceinline__ void fence_regs(float (&r)[N]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
+template <int N> __device__ __forceinline__ void fence_regs(uint32_t (&r)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
 // Register reallocation between warpgroups (every thread of the warpgroup executes it).
 template <int N> __device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
 template <int N> __device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
@@ -147,6 +151,44 @@ __device__ __forceinline__ void pv_wgmma(float (&o)[DP / 8][4], const uint32_t (
     }
 }
 #undef GQA_WGMMA_BODY
+
+// D (fp16 pairs, N / 4 registers a thread: register 2 n + h holds the m16n8 accumulator's elements
+// 2 h and 2 h + 1 of n-tile n) += A (fp16 A fragments in registers) B, B N-major from shared
+// memory: a low-precision product for a correction term (bwdmma/kernels.cuh, Pol::kDeltaFix).
+__device__ __forceinline__ void wgmma_rs_tb_n64_f16acc(uint32_t (&d)[16], const uint32_t (&a)[4], uint64_t db, int accumulate) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f16.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 1;\n}\n"
+                 : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+#else
+    __trap();
+#endif
+}
+__device__ __forceinline__ void wgmma_rs_tb_n128_f16acc(uint32_t (&d)[32], const uint32_t (&a)[4], uint64_t db, int accumulate) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f16.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+                 : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]), "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]), "+r"(d[14]), "+r"(d[15]),
+                   "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]), "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]), "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+#else
+    __trap();
+#endif
+}
+// pv_wgmma with fp16 inputs and an fp16 accumulator (DP 64 or 128).
+template <int DP, int KR, int KS>
+__device__ __forceinline__ void pv_wgmma_f16acc(uint32_t (&o)[DP / 8][2], const uint32_t (&a)[KS][4], const uint16_t* v_tile) {
+    static_assert(DP == 64 || DP == 128, "head_dim widths 64 and 128");
+    const uint64_t vd = wg_desc(v_tile, KR * 128, 1024);
+    wg_fence();
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+        const uint64_t db = wg_desc_at(vd, ks * 16 * 128);
+        if constexpr (DP == 64) wgmma_rs_tb_n64_f16acc(reinterpret_cast<uint32_t(&)[16]>(o), a[ks], db, 1);
+        else wgmma_rs_tb_n128_f16acc(reinterpret_cast<uint32_t(&)[32]>(o), a[ks], db, 1);
+    }
+}
 
 // Rows [row0, row0 + ROWS) of one head of a contiguous [B, T, H, DP] tensor into a swizzled tile
 // of ROWS rows (sw128_offset), by THREADS threads, 16 bytes a copy; rows at or past T are zeros. A
