@@ -47,6 +47,8 @@ VARIANTS = {
     "fma_exp_quarter_at_64": [(WS, "kFmaExpTiles = 0;", "kFmaExpTiles = DP == 64 ? 4 : 0;")],
     "fma_exp_eighth_at_64": [(WS, "kFmaExpTiles = 0;", "kFmaExpTiles = DP == 64 ? 2 : 0;")],
     "rescale_slack_8": [(WS, "kRescaleSlack = 0;", "kRescaleSlack = 8;")],
+    "row_sum_product": [(WS, "kRowSumByProduct = false;", "kRowSumByProduct = true;")],
+    "row_sum_product_at_64": [(WS, "kRowSumByProduct = false;", "kRowSumByProduct = DP == 64;")],
     "turns_always": [(WS, "kTurnsUpToRounds = 1;", "kTurnsUpToRounds = 1 << 30;")],
     "bwd_cp_async": [BWD_CP_ASYNC],
     "bwd_keys_128": [BWD_KEYS_128],
