@@ -49,6 +49,8 @@ VARIANTS = {
     "rescale_slack_8": [(WS, "kRescaleSlack = 0;", "kRescaleSlack = 8;")],
     "row_sum_product": [(WS, "kRowSumByProduct = false;", "kRowSumByProduct = true;")],
     "row_sum_product_at_64": [(WS, "kRowSumByProduct = false;", "kRowSumByProduct = DP == 64;")],
+    "row_sum_product_slack_8": [(WS, "kRowSumByProduct = false;", "kRowSumByProduct = true;"),
+                                (WS, "kRescaleSlack = 0;", "kRescaleSlack = 8;")],
     "turns_always": [(WS, "kTurnsUpToRounds = 1;", "kTurnsUpToRounds = 1 << 30;")],
     "bwd_cp_async": [BWD_CP_ASYNC],
     "bwd_keys_128": [BWD_KEYS_128],
