@@ -37,6 +37,11 @@ constexpr bool kBwdEarlyIssue = true;   // the 16-bit policies' Pol::kEarlyIssue
 // put 25% of its warp samples on short-scoreboard waits, most at the exponentials' first use of a
 // value just read (bench/NOTES.md v56).
 constexpr bool kBwdStatsInRegs = true;
+// With TMA loads (Pol::kTma) only the tiles a CTA copies once at its start (the dQ kernel's Q and
+// dO, the dK/dV kernel's K and V) come by cp.async, through the generic proxy: their wait and the
+// proxy fence (MEMBAR.ALL.CTA and FENCE.VIEW.ASYNC.S in the SASS) are needed before the first
+// product alone. true: in every step, as before (bench/NOTES.md v78).
+constexpr bool kBwdFenceEveryStep = false;
 constexpr int kWarps = kTile / 16;         // one 16-row m-tile per warp
 constexpr int kThreads = 32 * kWarps;
 
@@ -381,8 +386,10 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
     for (int kt = 0; kt <= (kStats ? -1 : kt_last); ++kt) {
         const int st = (kt + 1) & 1;
         if (!Pol::kEarlyIssue && !kTmaKv) load_kv(kt);
-        cp_async_wait<Pol::kEarlyIssue || kTmaKv ? 0 : 1>();   // key tile kt has landed (kTma: Q and dO)
-        Pol::landed();
+        if (!kTmaKv || kBwdFenceEveryStep || kt == 0) {
+            cp_async_wait<Pol::kEarlyIssue || kTmaKv ? 0 : 1>();   // key tile kt has landed (kTma: Q and dO)
+            Pol::landed();
+        }
         // (kTma with Pol::kEarlyIssue: only Q and dO need it, and the tile's stage was freed by the
         // barrier in the middle of the tile before)
         if (!(kTmaKv && Pol::kEarlyIssue) || kt == 0) __syncthreads();
@@ -584,8 +591,10 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
             if (i + 1 < steps) load_next(st ^ 1);
             cp_async_commit();    // (empty on the last step)
         }
-        cp_async_wait<Pol::kEarlyIssue ? 0 : 1>();   // step i has landed (kTma: K and V)
-        Pol::landed();
+        if (!Pol::kTma || kBwdFenceEveryStep || i == 0) {
+            cp_async_wait<Pol::kEarlyIssue ? 0 : 1>();   // step i has landed (kTma: K and V)
+            Pol::landed();
+        }
         // (kTma with Pol::kEarlyIssue: only K and V need it, and the step's stage was freed by the
         // barrier in the middle of the step before)
         if (!(Pol::kTma && Pol::kEarlyIssue) || i == 0) __syncthreads();
