@@ -231,7 +231,9 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
     const BwdCta cta = bwd_cta(p.B, p.Hq);
     const int64_t b = cta.b;
     const int h = cta.head, kv_head = h / p.group, lane = threadIdx.x % 32;
-    const int wg = int(threadIdx.x) / kThreads, warp = int(threadIdx.x) % kThreads / 32;   // this thread's row group, warp in it
+    // This thread's row group (a constant 0 with one group, so that the tiles' addresses and the
+    // wgmma descriptors built from them stay uniform: bench/NOTES.md v79), warp in it.
+    const int wg = RG == 1 ? 0 : int(threadIdx.x) / kThreads, warp = int(threadIdx.x) % kThreads / 32;
     const bool loader = int(threadIdx.x) < kThreads;   // the first group's threads make the cp.async copies
     const int tiles = (p.T + kTile - 1) / kTile, ctiles = (tiles + RG - 1) / RG;
     const int qt_cta = (ctiles - 1 - cta.tile) * RG, kt_last = min(qt_cta + RG, tiles) - 1;   // the CTA's first query tile, last key tile
@@ -528,7 +530,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
     const BwdCta cta = bwd_cta(p.B, p.Hkv);
     const int64_t b = cta.b;
     const int kv_head = cta.head, lane = threadIdx.x % 32, tiles = (p.T + kTile - 1) / kTile;
-    const int wg = int(threadIdx.x) / kThreads, warp = int(threadIdx.x) % kThreads / 32;   // this thread's key group, warp in it
+    const int wg = KG == 1 ? 0 : int(threadIdx.x) / kThreads, warp = int(threadIdx.x) % kThreads / 32;   // as kernel 1's
     const bool loader = int(threadIdx.x) < kThreads;   // the first group's threads make the cp.async copies
     const int kt = cta.tile, k0 = kt * kTile * KG, kw0 = k0 + kTile * wg;   // the CTA's first key, this group's
     uint16_t *k_tile = k_tiles + wg * H, *v_tile = v_tiles + wg * H;
