@@ -252,7 +252,9 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
     // --------------------------------------------------------------------------------- consumers
     regs_inc<Tr::kConsumerRegs>();
     const int ct = threadIdx.x - 128;            // 0 .. 128 kC - 1
-    const int wg = ct / 128;                     // consumer warpgroup: rows wg * 64 .. + 63
+    // Consumer warpgroup (rows wg * 64 .. + 63), read back from lane 0 so that the compiler sees it
+    // uniform in the warp: the Q descriptors built from it stay in uniform registers.
+    const int wg = __shfl_sync(0xffffffffu, ct / 128, 0);
     const int cw = (ct % 128) / 32;              // warp within the warpgroup
     const int gid = lane >> 2, tig = lane & 3;
     const float scale_log2 = p.scale_log2;
