@@ -65,6 +65,7 @@ VARIANTS = {
     "x3_no_delta_fix": [(X3, "kDeltaFix = true;", "kDeltaFix = false;")],
     "x3_pk_flush_2": [(X3, "kPkFlushSteps = 8;", "kPkFlushSteps = 2;")],
     "bwd_fence_every_step": [("kernels/bwdmma/kernels.cuh", "kBwdFenceEveryStep = false;", "kBwdFenceEveryStep = true;")],
+    "bwd_stats_scalar": [("kernels/bwdmma/kernels.cuh", "kPairedStats = true;", "kPairedStats = false;")],
     "bwd_group_from_tid": [("kernels/bwdmma/kernels.cuh", "wg = RG == 1 ? 0 : int(threadIdx.x)", "wg = int(threadIdx.x)"),
                            ("kernels/bwdmma/kernels.cuh", "wg = KG == 1 ? 0 : int(threadIdx.x)", "wg = int(threadIdx.x)")],
     "bwd_stats_from_shared": [("kernels/bwdmma/kernels.cuh", "kBwdStatsInRegs = true;", "kBwdStatsInRegs = false;")],

@@ -59,12 +59,17 @@ template <class Pol> struct BwdSmem {
 __device__ __forceinline__ int frag_row(int lane, int e) { return (lane >> 2) + 8 * (e >> 1); }
 __device__ __forceinline__ int frag_col(int lane, int n, int e) { return 8 * n + 2 * (lane & 3) + (e & 1); }
 // This thread's query columns c = frag_col(lane, n, e) of a step's per-row statistic (lse2 or
-// delta, in shared memory) into registers: column[n][e & 1] (kBwdStatsInRegs).
+// delta, in shared memory) into registers: column[n][e & 1] (kBwdStatsInRegs). kPaired: each
+// pair as one 8-byte read (stat is 1024-byte aligned and the pair's first column even), which
+// the compiler, not knowing that, makes two 4-byte ones (Pol::kPairedStats; bench/NOTES.md v81).
+template <bool kPaired>
 __device__ __forceinline__ void read_columns(float (&column)[kTile / 8][2], const float* stat, int lane) {
 #pragma unroll
-    for (int n = 0; n < kTile / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) column[n][e] = stat[frag_col(lane, n, e)];
+    for (int n = 0; n < kTile / 8; ++n) {
+        const float2 pair = kPaired ? *reinterpret_cast<const float2*>(stat + frag_col(lane, n, 0))
+                                    : make_float2(stat[frag_col(lane, n, 0)], stat[frag_col(lane, n, 1)]);
+        column[n][0] = pair.x, column[n][1] = pair.y;
+    }
 }
 
 // What a policy's kernels read besides their tiles' layout, once a CTA (Pol::io): the 16-bit
@@ -87,6 +92,7 @@ template <bool kBf16> struct Bwd16BitIo {
     static constexpr bool kDeltaFix = false;     // delta as the forward's rowsum(dO o), used as it is
     static constexpr int kPkFlushSteps = 0;
     static constexpr bool kEarlyIssue = kBwdEarlyIssue;
+    static constexpr bool kPairedStats = true;    // read_columns
     static __device__ __forceinline__ BwdIo io(const GqaBwdParams& p) {
         return {static_cast<const uint16_t*>(p.q), static_cast<const uint16_t*>(p.k), static_cast<const uint16_t*>(p.v),
                 static_cast<const uint16_t*>(p.dout), p.scale_log2, 1.f, 1.f, 0, 0, 0, 0};
@@ -626,7 +632,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
         const int j_base = kw0 + 16 * warp;
         float column[kTile / 8][2] = {};
         auto stat_of = [&](const float* stat, int n, int e) { return kBwdStatsInRegs ? column[n][e & 1] : stat[frag_col(lane, n, e)]; };
-        if (kBwdStatsInRegs) read_columns(column, lse2_t, lane);
+        if (kBwdStatsInRegs) read_columns<Pol::kPairedStats>(column, lse2_t, lane);
         Pol::template wait<1>();   // S^T; dP^T still running
         Pol::settle(s);
         // P^T for every element, then the masked ones zeroed on edge tiles alone: with the mask in
@@ -648,7 +654,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
         }
         uint32_t pa[kTile / 16][4], pa2[kTile / 16][4];
         Pol::pv_issue(dv, pa, s, Pol::columns(do_tile(st), col0), lane, io.p_mul);   // dV += P^T dO
-        if (kBwdStatsInRegs) read_columns(column, delta_t, lane);
+        if (kBwdStatsInRegs) read_columns<Pol::kPairedStats>(column, delta_t, lane);
         Pol::template wait<1>();   // dP^T; dV still running
         Pol::settle(dp);
 #pragma unroll
