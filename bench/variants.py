@@ -58,6 +58,7 @@ VARIANTS = {
     "x3_no_flush": [(X3, "kFlushSteps = 4, kDqFlushSteps = 2;", "kFlushSteps = 0, kDqFlushSteps = 0;")],
     "x3_early_issue": [(X3, "kEarlyIssue = false;", "kEarlyIssue = true;")],
     "x3_no_delta_fix": [(X3, "kDeltaFix = true;", "kDeltaFix = false;")],
+    "x3_pk_flush_2": [(X3, "kPkFlushSteps = 8;", "kPkFlushSteps = 2;")],
     "bwd_stats_from_shared": [("kernels/bwdmma/kernels.cuh", "kBwdStatsInRegs = true;", "kBwdStatsInRegs = false;")],
     "no_l2_sections": [(WS, "kL2SectionBytes = int64_t(24) << 20;", "kL2SectionBytes = 0;")],
     "l2_sections_12mb": [(WS, "kL2SectionBytes = int64_t(24) << 20;", "kL2SectionBytes = int64_t(12) << 20;")],

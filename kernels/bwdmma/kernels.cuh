@@ -80,6 +80,7 @@ template <bool kBf16> struct Bwd16BitIo {
     static constexpr int kFlushSteps = 0;        // the accumulators stay in registers to the end
     static constexpr int kDqFlushSteps = 0;
     static constexpr bool kDeltaFix = false;     // delta as the forward's rowsum(dO o), used as it is
+    static constexpr int kPkFlushSteps = 0;
     static constexpr bool kEarlyIssue = kBwdEarlyIssue;
     static __device__ __forceinline__ BwdIo io(const GqaBwdParams& p) {
         return {static_cast<const uint16_t*>(p.q), static_cast<const uint16_t*>(p.k), static_cast<const uint16_t*>(p.v),
@@ -94,9 +95,9 @@ template <bool kBf16> struct Bwd16BitIo {
 // match the P these kernels recompute; then sum_j dS_ij = c_i is not zero, and where a row's dQ is
 // small by cancellation (a nearly one-hot softmax) c_i sum_j P_ij K_j shows in it many times
 // magnified (bench/NOTES.md v74, v75). The dQ kernel, which sees every key of its rows, sums c_i
-// from the dS it uses and, in a low-precision product (fp16, added in fp32 at each flush), sum_j
-// P_ij K_j; at its end it takes ds_mul c_i sum_j P_ij K_j off dQ and writes delta + c_i for the
-// dK/dV kernel, whose dS then sum to zero as well.
+// from the dS it uses and, in a low-precision product (fp16, added into fp32 rows every
+// Pol::kPkFlushSteps key tiles), sum_j P_ij K_j; at its end it takes ds_mul c_i sum_j P_ij K_j
+// off dQ and writes delta + c_i for the dK/dV kernel, whose dS then sum to zero as well.
 //
 // Pol::kFlushSteps, kDqFlushSteps > 0 (fp32 outputs): every kFlushSteps steps (the dQ kernel:
 // kDqFlushSteps key tiles) a kernel adds its accumulator into
@@ -368,6 +369,11 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
     float ds_sum[2] = {0.f, 0.f};
     uint32_t pk[Pol::kDeltaFix ? OUT / 8 : 1][2] = {};
     auto pk_row = [&](int half) { return row_of(io.pk, half); };
+    // dQ's products (and P K, committed before them) have completed: their registers may be read.
+    auto settle_dq = [&] {
+        Pol::settle(dq);
+        if constexpr (Pol::kDeltaFix) fence_regs(reinterpret_cast<uint32_t(&)[OUT / 4]>(pk));
+    };
     auto load_kv = [&](int kt) {   // key tile kt + 1 into the other stage
         if (kt < kt_last) load_kv_tile(kt + 1, ((kt + 1) & 1) ^ 1);
         cp_async_commit();    // (empty on the last tile)
@@ -389,7 +395,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
         if constexpr (kTmaKv && !Pol::kEarlyIssue) load_kv(kt);
         if (Pol::kEarlyIssue) {
             Pol::template wait<2>();   // the last tile's dQ product: its stage is free
-            Pol::settle(dq);
+            settle_dq();
             __syncthreads();
             load_kv(kt);
         }
@@ -415,9 +421,8 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
             pack_p<false, kTile / 8>(pf, s[0]);
             Pol::pk_issue(pk, pf, Pol::columns(k_of(st), col0));
         }
-        Pol::template wait<0>();   // dP (and P K)
+        Pol::template wait<Pol::kDeltaFix ? 1 : 0>();   // dP (P K may still run: it is settled with dQ)
         Pol::settle(dp);
-        if constexpr (Pol::kDeltaFix) fence_regs(reinterpret_cast<uint32_t(&)[OUT / 4]>(pk));
 #pragma unroll
         for (int n = 0; n < kTile / 8; ++n)
 #pragma unroll
@@ -429,24 +434,29 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
         Pol::pv_issue(dq, pa, s, Pol::columns(k_of(st), col0), lane, io.ds_mul);
         if (!Pol::kEarlyIssue) {
             Pol::template wait<0>();
-            Pol::settle(dq);
+            settle_dq();
             __syncthreads();   // this stage takes tile kt + 2, issued at the top of the next iteration
         }
         if constexpr (Pol::kDqFlushSteps > 0 && !kStats) {
             if ((kt + 1) % Pol::kDqFlushSteps == 0) {
-                if constexpr (Pol::kEarlyIssue) Pol::template wait<0>(), Pol::settle(dq);   // (still running)
+                if constexpr (Pol::kEarlyIssue) Pol::template wait<0>(), settle_dq();   // (still running)
                 flush_rows(dq, dq_row, lane, kt + 1 == Pol::kDqFlushSteps);
-                if constexpr (Pol::kDeltaFix) flush_half_rows(pk, pk_row, lane, kt + 1 == Pol::kDqFlushSteps);
+            }
+        }
+        if constexpr (Pol::kDeltaFix) {
+            if ((kt + 1) % Pol::kPkFlushSteps == 0) {
+                if constexpr (Pol::kEarlyIssue) Pol::template wait<0>(), settle_dq();
+                flush_half_rows(pk, pk_row, lane, kt + 1 == Pol::kPkFlushSteps);
             }
         }
     }
     Pol::template wait<0>();
-    Pol::settle(dq);
+    settle_dq();
     if constexpr (Pol::kDqFlushSteps > 0 && !kStats) {
         if (kt_last + 1 >= Pol::kDqFlushSteps) take_back_rows(dq, dq_row, lane);
     }
     if constexpr (Pol::kDeltaFix && !kStats) {   // dS - c_i P_ij in place of dS, in dQ and in delta
-        static_assert(Pol::kDqFlushSteps > 0, "the correction's sums are flushed with dQ's");
+        static_assert(Pol::kPkFlushSteps > 0, "sum_j P_ij K_j is flushed into fp32 rows");
         float pk_f[1][OUT / 8][4];
 #pragma unroll
         for (int n = 0; n < OUT / 8; ++n)
@@ -455,7 +465,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
                 const float2 x = __half22float2(*reinterpret_cast<const __half2*>(&pk[n][half]));
                 pk_f[0][n][2 * half] = x.x, pk_f[0][n][2 * half + 1] = x.y;
             }
-        if (kt_last + 1 >= Pol::kDqFlushSteps) take_back_rows(pk_f, pk_row, lane);
+        if (kt_last + 1 >= Pol::kPkFlushSteps) take_back_rows(pk_f, pk_row, lane);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             ds_sum[half] += __shfl_xor_sync(0xffffffffu, ds_sum[half], 1);

@@ -152,6 +152,9 @@ template <int DP_> struct X3Products : BwdTmaLoads<kTile, 2 * DP_> {
     // one warpgroup an SM at width 128 that lost 1.2x here (v74).
     static constexpr bool kEarlyIssue = false;
     static constexpr bool kDeltaFix = true;   // (bwdmma/kernels.cuh)
+    // sum_j P_ij K_j needs about 1e-3 of its size (c_i is about 1e-6 of the row's scale): 32
+    // truncating fp16 additions between fp32 ones leave it within 3% (bench/NOTES.md v76).
+    static constexpr int kPkFlushSteps = 8;
     static constexpr int kKeyGroups = 1, kRowGroups = 1;
     static constexpr int kLoHalves = DP / 64 * kTile * 64;   // a tile's lo part, past its hi part
     using Out = float;
