@@ -37,6 +37,11 @@ constexpr bool kBwdEarlyIssue = true;   // the 16-bit policies' Pol::kEarlyIssue
 // put 25% of its warp samples on short-scoreboard waits, most at the exponentials' first use of a
 // value just read (bench/NOTES.md v56).
 constexpr bool kBwdStatsInRegs = true;
+// With TMA loads (Pol::kTma) only the tiles a CTA copies once at its start (the dQ kernel's Q and
+// dO, the dK/dV kernel's K and V) come by cp.async, through the generic proxy: their wait and the
+// proxy fence (MEMBAR.ALL.CTA and FENCE.VIEW.ASYNC.S in the SASS) are needed before the first
+// product alone. true: in every step, as before (bench/NOTES.md v78).
+constexpr bool kBwdFenceEveryStep = false;
 constexpr int kWarps = kTile / 16;         // one 16-row m-tile per warp
 constexpr int kThreads = 32 * kWarps;
 
@@ -54,12 +59,17 @@ template <class Pol> struct BwdSmem {
 __device__ __forceinline__ int frag_row(int lane, int e) { return (lane >> 2) + 8 * (e >> 1); }
 __device__ __forceinline__ int frag_col(int lane, int n, int e) { return 8 * n + 2 * (lane & 3) + (e & 1); }
 // This thread's query columns c = frag_col(lane, n, e) of a step's per-row statistic (lse2 or
-// delta, in shared memory) into registers: column[n][e & 1] (kBwdStatsInRegs).
+// delta, in shared memory) into registers: column[n][e & 1] (kBwdStatsInRegs). kPaired: each
+// pair as one 8-byte read (stat is 1024-byte aligned and the pair's first column even), which
+// the compiler, not knowing that, makes two 4-byte ones (Pol::kPairedStats; bench/NOTES.md v81).
+template <bool kPaired>
 __device__ __forceinline__ void read_columns(float (&column)[kTile / 8][2], const float* stat, int lane) {
 #pragma unroll
-    for (int n = 0; n < kTile / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) column[n][e] = stat[frag_col(lane, n, e)];
+    for (int n = 0; n < kTile / 8; ++n) {
+        const float2 pair = kPaired ? *reinterpret_cast<const float2*>(stat + frag_col(lane, n, 0))
+                                    : make_float2(stat[frag_col(lane, n, 0)], stat[frag_col(lane, n, 1)]);
+        column[n][0] = pair.x, column[n][1] = pair.y;
+    }
 }
 
 // What a policy's kernels read besides their tiles' layout, once a CTA (Pol::io): the 16-bit
@@ -82,6 +92,7 @@ template <bool kBf16> struct Bwd16BitIo {
     static constexpr bool kDeltaFix = false;     // delta as the forward's rowsum(dO o), used as it is
     static constexpr int kPkFlushSteps = 0;
     static constexpr bool kEarlyIssue = kBwdEarlyIssue;
+    static constexpr bool kPairedStats = true;    // read_columns
     static __device__ __forceinline__ BwdIo io(const GqaBwdParams& p) {
         return {static_cast<const uint16_t*>(p.q), static_cast<const uint16_t*>(p.k), static_cast<const uint16_t*>(p.v),
                 static_cast<const uint16_t*>(p.dout), p.scale_log2, 1.f, 1.f, 0, 0, 0, 0};
@@ -226,7 +237,9 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
     const BwdCta cta = bwd_cta(p.B, p.Hq);
     const int64_t b = cta.b;
     const int h = cta.head, kv_head = h / p.group, lane = threadIdx.x % 32;
-    const int wg = int(threadIdx.x) / kThreads, warp = int(threadIdx.x) % kThreads / 32;   // this thread's row group, warp in it
+    // This thread's row group (a constant 0 with one group, so that the tiles' addresses and the
+    // wgmma descriptors built from them stay uniform: bench/NOTES.md v79), warp in it.
+    const int wg = RG == 1 ? 0 : int(threadIdx.x) / kThreads, warp = int(threadIdx.x) % kThreads / 32;
     const bool loader = int(threadIdx.x) < kThreads;   // the first group's threads make the cp.async copies
     const int tiles = (p.T + kTile - 1) / kTile, ctiles = (tiles + RG - 1) / RG;
     const int qt_cta = (ctiles - 1 - cta.tile) * RG, kt_last = min(qt_cta + RG, tiles) - 1;   // the CTA's first query tile, last key tile
@@ -381,8 +394,10 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
     for (int kt = 0; kt <= (kStats ? -1 : kt_last); ++kt) {
         const int st = (kt + 1) & 1;
         if (!Pol::kEarlyIssue && !kTmaKv) load_kv(kt);
-        cp_async_wait<Pol::kEarlyIssue || kTmaKv ? 0 : 1>();   // key tile kt has landed (kTma: Q and dO)
-        Pol::landed();
+        if (!kTmaKv || kBwdFenceEveryStep || kt == 0) {
+            cp_async_wait<Pol::kEarlyIssue || kTmaKv ? 0 : 1>();   // key tile kt has landed (kTma: Q and dO)
+            Pol::landed();
+        }
         // (kTma with Pol::kEarlyIssue: only Q and dO need it, and the tile's stage was freed by the
         // barrier in the middle of the tile before)
         if (!(kTmaKv && Pol::kEarlyIssue) || kt == 0) __syncthreads();
@@ -521,7 +536,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
     const BwdCta cta = bwd_cta(p.B, p.Hkv);
     const int64_t b = cta.b;
     const int kv_head = cta.head, lane = threadIdx.x % 32, tiles = (p.T + kTile - 1) / kTile;
-    const int wg = int(threadIdx.x) / kThreads, warp = int(threadIdx.x) % kThreads / 32;   // this thread's key group, warp in it
+    const int wg = KG == 1 ? 0 : int(threadIdx.x) / kThreads, warp = int(threadIdx.x) % kThreads / 32;   // as kernel 1's
     const bool loader = int(threadIdx.x) < kThreads;   // the first group's threads make the cp.async copies
     const int kt = cta.tile, k0 = kt * kTile * KG, kw0 = k0 + kTile * wg;   // the CTA's first key, this group's
     uint16_t *k_tile = k_tiles + wg * H, *v_tile = v_tiles + wg * H;
@@ -584,8 +599,10 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
             if (i + 1 < steps) load_next(st ^ 1);
             cp_async_commit();    // (empty on the last step)
         }
-        cp_async_wait<Pol::kEarlyIssue ? 0 : 1>();   // step i has landed (kTma: K and V)
-        Pol::landed();
+        if (!Pol::kTma || kBwdFenceEveryStep || i == 0) {
+            cp_async_wait<Pol::kEarlyIssue ? 0 : 1>();   // step i has landed (kTma: K and V)
+            Pol::landed();
+        }
         // (kTma with Pol::kEarlyIssue: only K and V need it, and the step's stage was freed by the
         // barrier in the middle of the step before)
         if (!(Pol::kTma && Pol::kEarlyIssue) || i == 0) __syncthreads();
@@ -615,7 +632,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
         const int j_base = kw0 + 16 * warp;
         float column[kTile / 8][2] = {};
         auto stat_of = [&](const float* stat, int n, int e) { return kBwdStatsInRegs ? column[n][e & 1] : stat[frag_col(lane, n, e)]; };
-        if (kBwdStatsInRegs) read_columns(column, lse2_t, lane);
+        if (kBwdStatsInRegs) read_columns<Pol::kPairedStats>(column, lse2_t, lane);
         Pol::template wait<1>();   // S^T; dP^T still running
         Pol::settle(s);
         // P^T for every element, then the masked ones zeroed on edge tiles alone: with the mask in
@@ -637,7 +654,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
         }
         uint32_t pa[kTile / 16][4], pa2[kTile / 16][4];
         Pol::pv_issue(dv, pa, s, Pol::columns(do_tile(st), col0), lane, io.p_mul);   // dV += P^T dO
-        if (kBwdStatsInRegs) read_columns(column, delta_t, lane);
+        if (kBwdStatsInRegs) read_columns<Pol::kPairedStats>(column, delta_t, lane);
         Pol::template wait<1>();   // dP^T; dV still running
         Pol::settle(dp);
 #pragma unroll

@@ -264,7 +264,7 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
         // This thread's query columns' lse2 and delta, read before the waits (kBwdStatsInRegs).
         float column[kTile / 8][2] = {};
         auto stat_of = [&](const float* stat, int n, int e) { return kBwdStatsInRegs ? column[n][e & 1] : stat[frag_col(lane, n, e)]; };
-        if (kBwdStatsInRegs) read_columns(column, lse2_t, lane);
+        if (kBwdStatsInRegs) read_columns<Pol::kPairedStats>(column, lse2_t, lane);
         wg_wait<1>();
         fence_regs(reinterpret_cast<float(&)[32]>(s));
 #pragma unroll
@@ -280,7 +280,7 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
         pack_p<kBf16>(pa, s);
         pv_wgmma<kBf16, DP, 64>(dv, pa, sdO(st));   // dV += P^T dO
         wg_commit();
-        if (kBwdStatsInRegs) read_columns(column, delta_t, lane);
+        if (kBwdStatsInRegs) read_columns<Pol::kPairedStats>(column, delta_t, lane);
         wg_wait<1>();
         fence_regs(reinterpret_cast<float(&)[32]>(dp));
 #pragma unroll

@@ -155,6 +155,9 @@ template <int DP_> struct X3Products : BwdTmaLoads<kTile, 2 * DP_> {
     // sum_j P_ij K_j needs about 1e-3 of its size (c_i is about 1e-6 of the row's scale): 32
     // truncating fp16 additions between fp32 ones leave it within 3% (bench/NOTES.md v76).
     static constexpr int kPkFlushSteps = 8;
+    // lse2 and delta by 4-byte reads (read_columns): at width 128 (255 registers) the pairs brought
+    // a spill load back into the dK/dV kernel's step loop (bench/NOTES.md v81).
+    static constexpr bool kPairedStats = false;
     static constexpr int kKeyGroups = 1, kRowGroups = 1;
     static constexpr int kLoHalves = DP / 64 * kTile * 64;   // a tile's lo part, past its hi part
     using Out = float;

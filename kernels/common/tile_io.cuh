@@ -121,7 +121,8 @@ __device__ __forceinline__ bool own_tile_sw_zero_nonfinite(Elem* dst, bool bf16)
 // kSlack > 0: the row keeps its max while the new one exceeds it by at most kSlack (log2 units),
 // so P stays below 2^kSlack and O needs no rescale (factor 1) on most tiles; m and l stay
 // consistent, so the result is the same up to rounding. Not with kShift (x3's P has no headroom).
-template <int kNTiles, bool kShift = false, int kFmaTiles = 0, int kSlack = 0>
+// kSum false: l is left alone (the caller sums P itself, and rescales that sum by the factor).
+template <int kNTiles, bool kShift = false, int kFmaTiles = 0, int kSlack = 0, bool kSum = true>
 __device__ __forceinline__ float softmax_row(float (&st)[kNTiles][4], int h, float& m, float& l, float scale_log2,
                                              float shift = 0.f) {
     static_assert(kSlack == 0 || !kShift, "a stale max needs P's headroom");
@@ -137,7 +138,7 @@ __device__ __forceinline__ float softmax_row(float (&st)[kNTiles][4], int h, flo
     const float m_ref = m_new == -INFINITY ? 0.f : m_new;
     const float m_exp = kShift ? m_ref - shift : m_ref;
     const float f = fast_exp2(m - m_ref);
-    l *= f;
+    if constexpr (kSum) l *= f;
     m = m_new;
 #pragma unroll
     for (int j = 0; j < kNTiles; ++j) {
@@ -148,7 +149,7 @@ __device__ __forceinline__ float softmax_row(float (&st)[kNTiles][4], int h, flo
             st[j][h] = fast_exp2(fmaf(st[j][h], scale_log2, -m_exp));
             st[j][h + 1] = fast_exp2(fmaf(st[j][h + 1], scale_log2, -m_exp));
         }
-        l += st[j][h] + st[j][h + 1];
+        if constexpr (kSum) l += st[j][h] + st[j][h + 1];
     }
     return f;
 }
