@@ -122,13 +122,34 @@ __device__ __forceinline__ bool own_tile_sw_zero_nonfinite(Elem* dst, bool bf16)
 // so P stays below 2^kSlack and O needs no rescale (factor 1) on most tiles; m and l stay
 // consistent, so the result is the same up to rounding. Not with kShift (x3's P has no headroom).
 // kSum false: l is left alone (the caller sums P itself, and rescales that sum by the factor).
-template <int kNTiles, bool kShift = false, int kFmaTiles = 0, int kSlack = 0, bool kSum = true>
+// Folds t[0..2W) into t[0] as a pairwise tree: t[j] = op(t[j], t[j + W]), then half as many.
+template <int W, int N, typename Op> __device__ __forceinline__ float fold_tree(float (&t)[N], Op op) {
+#pragma unroll
+    for (int j = 0; j < W; ++j) t[j] = op(t[j], t[j + W]);
+    if constexpr (W > 1) {
+        return fold_tree<W / 2>(t, op);
+    } else {
+        return t[0];
+    }
+}
+
+// kTree: the row's max and sum as pairwise trees (depth log2 of the row's values) instead of one
+// chain through every value; the same operations, the sum's rounding in another order.
+template <int kNTiles, bool kShift = false, int kFmaTiles = 0, int kSlack = 0, bool kSum = true, bool kTree = false>
 __device__ __forceinline__ float softmax_row(float (&st)[kNTiles][4], int h, float& m, float& l, float scale_log2,
                                              float shift = 0.f) {
     static_assert(kSlack == 0 || !kShift, "a stale max needs P's headroom");
+    static_assert(!kTree || (kNTiles & (kNTiles - 1)) == 0, "a tree over a power of two of n-tiles");
     float mx = -INFINITY;
+    if constexpr (kTree) {
+        float t[kNTiles];
 #pragma unroll
-    for (int j = 0; j < kNTiles; ++j) mx = fmaxf(mx, fmaxf(st[j][h], st[j][h + 1]));
+        for (int j = 0; j < kNTiles; ++j) t[j] = fmaxf(st[j][h], st[j][h + 1]);
+        mx = fold_tree<kNTiles / 2>(t, [](float x, float y) { return fmaxf(x, y); });
+    } else {
+#pragma unroll
+        for (int j = 0; j < kNTiles; ++j) mx = fmaxf(mx, fmaxf(st[j][h], st[j][h + 1]));
+    }
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     float m_new = fmaxf(m, mx * scale_log2);
@@ -149,7 +170,13 @@ __device__ __forceinline__ float softmax_row(float (&st)[kNTiles][4], int h, flo
             st[j][h] = fast_exp2(fmaf(st[j][h], scale_log2, -m_exp));
             st[j][h + 1] = fast_exp2(fmaf(st[j][h + 1], scale_log2, -m_exp));
         }
-        if constexpr (kSum) l += st[j][h] + st[j][h + 1];
+        if constexpr (kSum && !kTree) l += st[j][h] + st[j][h + 1];
+    }
+    if constexpr (kSum && kTree) {
+        float t[kNTiles];
+#pragma unroll
+        for (int j = 0; j < kNTiles; ++j) t[j] = st[j][h] + st[j][h + 1];
+        l += fold_tree<kNTiles / 2>(t, [](float x, float y) { return x + y; });
     }
     return f;
 }

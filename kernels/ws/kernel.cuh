@@ -67,6 +67,10 @@ template <int DP> struct WsTraits {
     // 64 contiguous bytes of a row where one wrote 16. At (4, 1024, 32, 8, 128) the 4-byte stores
     // filled the store queue for 17.5% of the consumers' time (NOTES v83).
     static constexpr bool kWideStores = true;
+    // The softmax's row max and row sum as pairwise trees (softmax_row's kTree): at width 64 the
+    // max and sum chains' FMNMX and FADD held 12% of the kernel's samples, half of them waiting on
+    // the previous link (NOTES v84).
+    static constexpr bool kTreeSums = true;
     // S of tile n + 1 beside P V of tile n, up to width 128. At width 256 (O: 128 registers) the
     // overlap spills around the exact non-finite step and measured 2% slower (NOTES v46).
     static constexpr bool kOverlap = DP <= 128;
@@ -316,8 +320,8 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
             }
 #pragma unroll
             for (int r = 0; r < 2; ++r)
-                f[r] = softmax_row<kNTiles, false, Tr::kFmaExpTiles, Tr::kRescaleSlack, !Tr::kRowSumByProduct>(s, 2 * r, m[r], l[r],
-                                                                                                            scale_log2);
+                f[r] = softmax_row<kNTiles, false, Tr::kFmaExpTiles, Tr::kRescaleSlack, !Tr::kRowSumByProduct, Tr::kTreeSums>(
+                    s, 2 * r, m[r], l[r], scale_log2);
         };
         // O += P V of key tile n (and l += P 1), without a commit.
         auto issue_pv = [&](const uint32_t (&pa)[kNTiles / 2][4], int n) {
