@@ -55,6 +55,7 @@ VARIANTS = {
     "turns_always": [(WS, "kTurnsUpToRounds = 1;", "kTurnsUpToRounds = 1 << 30;")],
     "narrow_stores": [(WS, "kWideStores = true;", "kWideStores = false;")],
     "chain_sums": [(WS, "kTreeSums = true;", "kTreeSums = false;")],
+    "unrolled_nonfinite": [(WS, "kCompactNonfinite = true;", "kCompactNonfinite = false;")],
     "bwd_cp_async": [BWD_CP_ASYNC],
     "bwd_keys_128": [BWD_KEYS_128],
     "bwd_rows_128": [BWD_ROWS_128],

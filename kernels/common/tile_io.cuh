@@ -185,18 +185,35 @@ __device__ __forceinline__ float softmax_row(float (&st)[kNTiles][4], int h, flo
 // copy holds as zeros (so the product adds every finite value): O += P V over the attended keys
 // key0.. and V's non-finite values only, read from global memory (`v` is the head's key 0, rows
 // `v_stride_t` apart). s: P of a warp's 16 rows (this thread's rows at time steps row_t), o: O.
-// The key loops stay rolled except over the n-tiles: s must stay in registers.
-template <int kNTiles, int kDTiles>
+// The key loops stay rolled except over the n-tiles: s must stay in registers. kCompact: the
+// n-tiles' loop rolled too, over a copy of s in local memory, so the step is a few hundred
+// instructions instead of thousands (it sits inline in the callers' step loops).
+template <int kNTiles, int kDTiles, bool kCompact = false>
 __device__ __forceinline__ void add_nonfinite_pv(float (&o)[kDTiles][4], const float (&s)[kNTiles][4], const int (&row_t)[2],
                                                  int key0, const Half16* v, int64_t v_stride_t, int T, int D, bool bf16) {
     const int lane = int(threadIdx.x) % 32, tig = lane & 3;
+    float copy[kCompact ? kNTiles : 1][4];
+    if constexpr (kCompact) {
 #pragma unroll
+        for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) copy[j][e] = s[j][e];
+    }
+    auto tile_p = [&](int j) -> const float(&)[4] {
+        if constexpr (kCompact) {
+            return copy[j];
+        } else {
+            return s[j];
+        }
+    };
+#pragma unroll(kCompact ? 1 : kNTiles)
     for (int j = 0; j < kNTiles; ++j)
 #pragma unroll 1
         for (int kk8 = 0; kk8 < 8; ++kk8) {
             const int key = key0 + j * 8 + kk8;
-            const float own0 = (kk8 & 1) ? s[j][1] : s[j][0];
-            const float own1 = (kk8 & 1) ? s[j][3] : s[j][2];
+            const float(&sj)[4] = tile_p(j);
+            const float own0 = (kk8 & 1) ? sj[1] : sj[0];
+            const float own1 = (kk8 & 1) ? sj[3] : sj[2];
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 const float pk = __shfl_sync(0xffffffffu, i ? own1 : own0, (lane & ~3) | (kk8 >> 1));

@@ -71,6 +71,11 @@ template <int DP> struct WsTraits {
     // max and sum chains' FMNMX and FADD held 12% of the kernel's samples, half of them waiting on
     // the previous link (NOTES v84).
     static constexpr bool kTreeSums = true;
+    // The exact step for V tiles with Inf or NaN with its n-tile loop rolled (add_nonfinite_pv's
+    // kCompact): it sits inline in the step loop three times, and unrolled it made up most of
+    // the kernel's 16,500 instructions; every step's issue jumped over it, and the instruction
+    // fetch stalled after that jump (NOTES v85).
+    static constexpr bool kCompactNonfinite = true;
     // S of tile n + 1 beside P V of tile n, up to width 128. At width 256 (O: 128 registers) the
     // overlap spills around the exact non-finite step and measured 2% slower (NOTES v46).
     static constexpr bool kOverlap = DP <= 128;
@@ -333,7 +338,9 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
             fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
             if constexpr (Tr::kRowSumByProduct) fence_regs(lp);
         };
-        auto scalar_pv_nonfinite = [&](int key0) { add_nonfinite_pv(o, s, row_t, key0, head.v, p.v_stride_t, T, p.D, bf16); };
+        auto scalar_pv_nonfinite = [&](int key0) {
+            add_nonfinite_pv<kNTiles, kDTiles, Tr::kCompactNonfinite>(o, s, row_t, key0, head.v, p.v_stride_t, T, p.D, bf16);
+        };
         auto issue_qk = [&](int n) { qk_wgmma<bf16, DP, BM, TK>(s, sQ, wg * 64, sK((it + n) % S)); };
         auto rescale_o = [&]() {
             // (kRescaleSlack: skipped by the whole warp when no row of it moved its max)
