@@ -49,6 +49,7 @@ VARIANTS = {
     "rescale_slack_8": [(WS, "kRescaleSlack = 0;", "kRescaleSlack = 8;")],
     "row_sum_product": [(WS, "kRowSumByProduct = false;", "kRowSumByProduct = true;")],
     "row_sum_product_at_64": [(WS, "kRowSumByProduct = false;", "kRowSumByProduct = DP == 64;")],
+    "row_sum_product_at_256": [(WS, "kRowSumByProduct = false;", "kRowSumByProduct = DP == 256;")],
     "ws_wg_from_tid": [(WS, "wg = __shfl_sync(0xffffffffu, ct / 128, 0);", "wg = ct / 128;")],
     "row_sum_product_slack_8": [(WS, "kRowSumByProduct = false;", "kRowSumByProduct = true;"),
                                 (WS, "kRescaleSlack = 0;", "kRescaleSlack = 8;")],
