@@ -449,7 +449,9 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
         for (int r = 0; r < 2; ++r) {
             const int R = row0 + gid + 8 * r;
             const bool row_ok = R < rows_total;   // the same in the four lanes of a quad
-            const float inv = __fdividef(1.f, l[r]);   // l >= 1 (or NaN): the fast reciprocal is exact enough for 16-bit output
+            // l >= 1, or 0 / NaN when every score is -inf / NaN (an Inf or NaN result either way, as
+            // with IEEE division): the fast reciprocal is exact enough for a 16-bit output.
+            const float inv = __fdividef(1.f, l[r]);
             if (row_ok && p.lse2 != nullptr && tig == 0)   // kept for a backward: m is in log2 units, l relative to it
                 p.lse2[(int64_t(w.b) * T + row_t[r]) * p.Hq + int64_t(w.kvh) * G + (R - row_t[r] * G)] = m[r] + log2f(l[r]);
             const int64_t row_off = int64_t(row_t[r]) * p.o_stride_t + int64_t(R - row_t[r] * G) * p.o_stride_h;
