@@ -25,6 +25,7 @@ WS = "kernels/ws/kernel.cuh"
 FUSED = ("kernels/gqa_params.h", "kGqaFusedBackward = false;", "kGqaFusedBackward = true;")
 DQ_ADD = ("kernels/bwdwg/fused.cuh", "kDqAdd = DqAdd::kTurn;")   # the fused kernel's dQ add (FusedTraits)
 X3 = "kernels/bwdx3/bwdx3.cu"
+BWD = "kernels/bwdmma/kernels.cuh"   # the two wgmma/mma.sync backward kernels
 BWD_CP_ASYNC = ("kernels/bwdwg/bwdwg.cu", "static constexpr bool kTma = true;", "static constexpr bool kTma = false;")
 BWD_KEYS_128 = ("kernels/bwdwg/bwdwg.cu", "kKeyGroups = 1;", "kKeyGroups = DP == 256 ? 1 : 2;")
 BWD_ROWS_128 = ("kernels/bwdwg/bwdwg.cu", "kRowGroups = 1;", "kRowGroups = DP == 256 ? 1 : 2;")
@@ -62,17 +63,17 @@ VARIANTS = {
     "bwd_rows_128": [BWD_ROWS_128],
     "bwd_keys_and_rows_128": [BWD_KEYS_128, BWD_ROWS_128],
     "bwd_keys_128_cp_async": [BWD_KEYS_128, BWD_CP_ASYNC],
-    "bwd_late_issue": [("kernels/bwdmma/kernels.cuh", "kBwdEarlyIssue = true;", "kBwdEarlyIssue = false;")],
+    "bwd_late_issue": [(BWD, "kBwdEarlyIssue = true;", "kBwdEarlyIssue = false;")],
     "x3_flush_8": [(X3, "kFlushSteps = 4, kDqFlushSteps = 2;", "kFlushSteps = 8, kDqFlushSteps = 8;")],
     "x3_no_flush": [(X3, "kFlushSteps = 4, kDqFlushSteps = 2;", "kFlushSteps = 0, kDqFlushSteps = 0;")],
     "x3_early_issue": [(X3, "kEarlyIssue = false;", "kEarlyIssue = true;")],
     "x3_no_delta_fix": [(X3, "kDeltaFix = true;", "kDeltaFix = false;")],
     "x3_pk_flush_2": [(X3, "kPkFlushSteps = 8;", "kPkFlushSteps = 2;")],
-    "bwd_fence_every_step": [("kernels/bwdmma/kernels.cuh", "kBwdFenceEveryStep = false;", "kBwdFenceEveryStep = true;")],
-    "bwd_stats_scalar": [("kernels/bwdmma/kernels.cuh", "kPairedStats = true;", "kPairedStats = false;")],
-    "bwd_group_from_tid": [("kernels/bwdmma/kernels.cuh", "wg = RG == 1 ? 0 : int(threadIdx.x)", "wg = int(threadIdx.x)"),
-                           ("kernels/bwdmma/kernels.cuh", "wg = KG == 1 ? 0 : int(threadIdx.x)", "wg = int(threadIdx.x)")],
-    "bwd_stats_from_shared": [("kernels/bwdmma/kernels.cuh", "kBwdStatsInRegs = true;", "kBwdStatsInRegs = false;")],
+    "bwd_fence_every_step": [(BWD, "kBwdFenceEveryStep = false;", "kBwdFenceEveryStep = true;")],
+    "bwd_stats_scalar": [(BWD, "kPairedStats = true;", "kPairedStats = false;")],
+    "bwd_group_from_tid": [(BWD, "wg = RG == 1 ? 0 : int(threadIdx.x)", "wg = int(threadIdx.x)"),
+                           (BWD, "wg = KG == 1 ? 0 : int(threadIdx.x)", "wg = int(threadIdx.x)")],
+    "bwd_stats_from_shared": [(BWD, "kBwdStatsInRegs = true;", "kBwdStatsInRegs = false;")],
     "no_l2_sections": [(WS, "kL2SectionBytes = int64_t(24) << 20;", "kL2SectionBytes = 0;")],
     "l2_sections_12mb": [(WS, "kL2SectionBytes = int64_t(24) << 20;", "kL2SectionBytes = int64_t(12) << 20;")],
     "l2_sections_40mb": [(WS, "kL2SectionBytes = int64_t(24) << 20;", "kL2SectionBytes = int64_t(40) << 20;")],
