@@ -31,10 +31,30 @@ template <> __device__ __forceinline__ float from_float<float>(float x, bool) { 
 template <> __device__ __forceinline__ Half16 from_float<Half16>(float x, bool bf16) {
     return bf16 ? __bfloat16_as_ushort(__float2bfloat16_rn(x)) : __half_as_ushort(__float2half_rn(x));
 }
+// Two adjacent 16-bit output values in one word, a in the low half.
+__device__ __forceinline__ uint32_t pair_bits(float a, float b, bool bf16) {
+    return uint32_t(from_float<Half16>(a, bf16)) | uint32_t(from_float<Half16>(b, bf16)) << 16;
+}
 // Two adjacent output values as one store; dst is aligned to twice the element size.
 __device__ __forceinline__ void store_pair(float* dst, float a, float b, bool) { *reinterpret_cast<float2*>(dst) = make_float2(a, b); }
 __device__ __forceinline__ void store_pair(Half16* dst, float a, float b, bool bf16) {
-    *reinterpret_cast<uint32_t*>(dst) = uint32_t(from_float<Half16>(a, bf16)) | uint32_t(from_float<Half16>(b, bf16)) << 16;
+    *reinterpret_cast<uint32_t*>(dst) = pair_bits(a, b, bf16);
+}
+// A 4 x 4 transpose of words across the four lanes of a quad (tig = lane % 4): afterwards slot s
+// of lane t holds what slot t of lane s held. Two exchanges, between lanes 2 apart and then 1
+// apart, each moving the half of the slots whose index bit differs from the lane's.
+__device__ __forceinline__ void quad_transpose(uint32_t (&x)[4], int tig) {
+    const bool hi = tig & 2, odd = tig & 1;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const uint32_t got = __shfl_xor_sync(0xffffffffu, hi ? x[j] : x[2 + j], 2);
+        if (hi) x[j] = got; else x[2 + j] = got;
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? x[2 * j] : x[2 * j + 1], 1);
+        if (odd) x[2 * j] = got; else x[2 * j + 1] = got;
+    }
 }
 
 

@@ -122,13 +122,34 @@ __device__ __forceinline__ bool own_tile_sw_zero_nonfinite(Elem* dst, bool bf16)
 // so P stays below 2^kSlack and O needs no rescale (factor 1) on most tiles; m and l stay
 // consistent, so the result is the same up to rounding. Not with kShift (x3's P has no headroom).
 // kSum false: l is left alone (the caller sums P itself, and rescales that sum by the factor).
-template <int kNTiles, bool kShift = false, int kFmaTiles = 0, int kSlack = 0, bool kSum = true>
+// Folds t[0..2W) into t[0] as a pairwise tree: t[j] = op(t[j], t[j + W]), then half as many.
+template <int W, int N, typename Op> __device__ __forceinline__ float fold_tree(float (&t)[N], Op op) {
+#pragma unroll
+    for (int j = 0; j < W; ++j) t[j] = op(t[j], t[j + W]);
+    if constexpr (W > 1) {
+        return fold_tree<W / 2>(t, op);
+    } else {
+        return t[0];
+    }
+}
+
+// kTree: the row's max and sum as pairwise trees (depth log2 of the row's values) instead of one
+// chain through every value; the same operations, the sum's rounding in another order.
+template <int kNTiles, bool kShift = false, int kFmaTiles = 0, int kSlack = 0, bool kSum = true, bool kTree = false>
 __device__ __forceinline__ float softmax_row(float (&st)[kNTiles][4], int h, float& m, float& l, float scale_log2,
                                              float shift = 0.f) {
     static_assert(kSlack == 0 || !kShift, "a stale max needs P's headroom");
+    static_assert(!kTree || (kNTiles & (kNTiles - 1)) == 0, "a tree over a power of two of n-tiles");
     float mx = -INFINITY;
+    if constexpr (kTree) {
+        float t[kNTiles];
 #pragma unroll
-    for (int j = 0; j < kNTiles; ++j) mx = fmaxf(mx, fmaxf(st[j][h], st[j][h + 1]));
+        for (int j = 0; j < kNTiles; ++j) t[j] = fmaxf(st[j][h], st[j][h + 1]);
+        mx = fold_tree<kNTiles / 2>(t, [](float x, float y) { return fmaxf(x, y); });
+    } else {
+#pragma unroll
+        for (int j = 0; j < kNTiles; ++j) mx = fmaxf(mx, fmaxf(st[j][h], st[j][h + 1]));
+    }
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     float m_new = fmaxf(m, mx * scale_log2);
@@ -149,7 +170,13 @@ __device__ __forceinline__ float softmax_row(float (&st)[kNTiles][4], int h, flo
             st[j][h] = fast_exp2(fmaf(st[j][h], scale_log2, -m_exp));
             st[j][h + 1] = fast_exp2(fmaf(st[j][h + 1], scale_log2, -m_exp));
         }
-        if constexpr (kSum) l += st[j][h] + st[j][h + 1];
+        if constexpr (kSum && !kTree) l += st[j][h] + st[j][h + 1];
+    }
+    if constexpr (kSum && kTree) {
+        float t[kNTiles];
+#pragma unroll
+        for (int j = 0; j < kNTiles; ++j) t[j] = st[j][h] + st[j][h + 1];
+        l += fold_tree<kNTiles / 2>(t, [](float x, float y) { return x + y; });
     }
     return f;
 }
@@ -158,18 +185,35 @@ __device__ __forceinline__ float softmax_row(float (&st)[kNTiles][4], int h, flo
 // copy holds as zeros (so the product adds every finite value): O += P V over the attended keys
 // key0.. and V's non-finite values only, read from global memory (`v` is the head's key 0, rows
 // `v_stride_t` apart). s: P of a warp's 16 rows (this thread's rows at time steps row_t), o: O.
-// The key loops stay rolled except over the n-tiles: s must stay in registers.
-template <int kNTiles, int kDTiles>
+// The key loops stay rolled except over the n-tiles: s must stay in registers. kCompact: the
+// n-tiles' loop rolled too, over a copy of s in local memory, so the step is a few hundred
+// instructions instead of thousands (it sits inline in the callers' step loops).
+template <int kNTiles, int kDTiles, bool kCompact = false>
 __device__ __forceinline__ void add_nonfinite_pv(float (&o)[kDTiles][4], const float (&s)[kNTiles][4], const int (&row_t)[2],
                                                  int key0, const Half16* v, int64_t v_stride_t, int T, int D, bool bf16) {
     const int lane = int(threadIdx.x) % 32, tig = lane & 3;
+    float copy[kCompact ? kNTiles : 1][4];
+    if constexpr (kCompact) {
 #pragma unroll
+        for (int j = 0; j < kNTiles; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) copy[j][e] = s[j][e];
+    }
+    auto tile_p = [&](int j) -> const float(&)[4] {
+        if constexpr (kCompact) {
+            return copy[j];
+        } else {
+            return s[j];
+        }
+    };
+#pragma unroll(kCompact ? 1 : kNTiles)
     for (int j = 0; j < kNTiles; ++j)
 #pragma unroll 1
         for (int kk8 = 0; kk8 < 8; ++kk8) {
             const int key = key0 + j * 8 + kk8;
-            const float own0 = (kk8 & 1) ? s[j][1] : s[j][0];
-            const float own1 = (kk8 & 1) ? s[j][3] : s[j][2];
+            const float(&sj)[4] = tile_p(j);
+            const float own0 = (kk8 & 1) ? sj[1] : sj[0];
+            const float own1 = (kk8 & 1) ? sj[3] : sj[2];
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
                 const float pk = __shfl_sync(0xffffffffu, i ? own1 : own0, (lane & ~3) | (kk8 >> 1));

@@ -62,6 +62,20 @@ template <int DP> struct WsTraits {
     // then O's rescale, 4 DP / 8 multiplies a thread, runs only on the tiles that move one of the
     // warp's rows (softmax_row's kSlack; P stays below 2^kRescaleSlack).
     static constexpr int kRescaleSlack = 0;
+    // The epilogue's stores 16 bytes a thread (a quad's 8-column pieces of a row, gathered by a
+    // transpose within the quad) instead of 4: a quarter of the store instructions, each writing
+    // 64 contiguous bytes of a row where one wrote 16. At (4, 1024, 32, 8, 128) the 4-byte stores
+    // filled the store queue for 17.5% of the consumers' time (NOTES v83).
+    static constexpr bool kWideStores = true;
+    // The softmax's row max and row sum as pairwise trees (softmax_row's kTree): at width 64 the
+    // max and sum chains' FMNMX and FADD held 12% of the kernel's samples, half of them waiting on
+    // the previous link (NOTES v84).
+    static constexpr bool kTreeSums = true;
+    // The exact step for V tiles with Inf or NaN with its n-tile loop rolled (add_nonfinite_pv's
+    // kCompact): it sits inline in the step loop three times, and unrolled it made up most of
+    // the kernel's 16,500 instructions; every step's issue jumped over it, and the instruction
+    // fetch stalled after that jump (NOTES v85).
+    static constexpr bool kCompactNonfinite = true;
     // S of tile n + 1 beside P V of tile n, up to width 128. At width 256 (O: 128 registers) the
     // overlap spills around the exact non-finite step and measured 2% slower (NOTES v46).
     static constexpr bool kOverlap = DP <= 128;
@@ -311,8 +325,8 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
             }
 #pragma unroll
             for (int r = 0; r < 2; ++r)
-                f[r] = softmax_row<kNTiles, false, Tr::kFmaExpTiles, Tr::kRescaleSlack, !Tr::kRowSumByProduct>(s, 2 * r, m[r], l[r],
-                                                                                                            scale_log2);
+                f[r] = softmax_row<kNTiles, false, Tr::kFmaExpTiles, Tr::kRescaleSlack, !Tr::kRowSumByProduct, Tr::kTreeSums>(
+                    s, 2 * r, m[r], l[r], scale_log2);
         };
         // O += P V of key tile n (and l += P 1), without a commit.
         auto issue_pv = [&](const uint32_t (&pa)[kNTiles / 2][4], int n) {
@@ -324,7 +338,9 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
             fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
             if constexpr (Tr::kRowSumByProduct) fence_regs(lp);
         };
-        auto scalar_pv_nonfinite = [&](int key0) { add_nonfinite_pv(o, s, row_t, key0, head.v, p.v_stride_t, T, p.D, bf16); };
+        auto scalar_pv_nonfinite = [&](int key0) {
+            add_nonfinite_pv<kNTiles, kDTiles, Tr::kCompactNonfinite>(o, s, row_t, key0, head.v, p.v_stride_t, T, p.D, bf16);
+        };
         auto issue_qk = [&](int n) { qk_wgmma<bf16, DP, BM, TK>(s, sQ, wg * 64, sK((it + n) % S)); };
         auto rescale_o = [&]() {
             // (kRescaleSlack: skipped by the whole warp when no row of it moved its max)
@@ -432,15 +448,32 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int R = row0 + gid + 8 * r;
-            if (R >= rows_total) continue;
-            const float inv = 1.f / l[r];
-            if (p.lse2 != nullptr && tig == 0)   // kept for a backward: m is in log2 units, l relative to it
+            const bool row_ok = R < rows_total;   // the same in the four lanes of a quad
+            // l >= 1, or 0 / NaN when every score is -inf / NaN (an Inf or NaN result either way, as
+            // with IEEE division): the fast reciprocal is exact enough for a 16-bit output.
+            const float inv = __fdividef(1.f, l[r]);
+            if (row_ok && p.lse2 != nullptr && tig == 0)   // kept for a backward: m is in log2 units, l relative to it
                 p.lse2[(int64_t(w.b) * T + row_t[r]) * p.Hq + int64_t(w.kvh) * G + (R - row_t[r] * G)] = m[r] + log2f(l[r]);
-            Elem* dst = o_base + int64_t(row_t[r]) * p.o_stride_t + int64_t(R - row_t[r] * G) * p.o_stride_h;
+            const int64_t row_off = int64_t(row_t[r]) * p.o_stride_t + int64_t(R - row_t[r] * G) * p.o_stride_h;
+            if constexpr (Tr::kWideStores) {
+                // Every lane takes part in the transposes, so rows past the end only skip the
+                // stores. D is a multiple of 8 here (16-byte rows), so a piece is all in or all out.
+                uint4* dst = reinterpret_cast<uint4*>(o_base + (row_ok ? row_off : 0)) + tig;
 #pragma unroll
-            for (int d = 0; d < kDTiles; ++d) {
-                const int c = d * 8 + 2 * tig;
-                if (c < p.D) store_pair(dst + c, o[d][2 * r] * inv, o[d][2 * r + 1] * inv, bf16);
+                for (int g = 0; g < kDTiles / 4; ++g) {
+                    uint32_t x[4];
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) x[j] = pair_bits(o[4 * g + j][2 * r] * inv, o[4 * g + j][2 * r + 1] * inv, bf16);
+                    quad_transpose(x, tig);
+                    if (row_ok && (4 * g + tig) * 8 < p.D) dst[4 * g] = make_uint4(x[0], x[1], x[2], x[3]);
+                }
+            } else if (row_ok) {
+                Elem* dst = o_base + row_off;
+#pragma unroll
+                for (int d = 0; d < kDTiles; ++d) {
+                    const int c = d * 8 + 2 * tig;
+                    if (c < p.D) store_pair(dst + c, o[d][2 * r] * inv, o[d][2 * r + 1] * inv, bf16);
+                }
             }
         }
         it += n_kv;
