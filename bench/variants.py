@@ -41,7 +41,7 @@ VARIANTS = {
     "round_robin_walk": [(WS, "((k & 1) ? G - 1 - c : c)", "c")],
     "three_consumers_at_64": [(WS, "kConsumers = 2;", "kConsumers = DP == 64 ? 3 : 2;")],
     "three_consumers_at_64_no_overlap": [(WS, "kConsumers = 2;", "kConsumers = DP == 64 ? 3 : 2;"),
-                                         (WS, "kOverlap = DP <= 128;", "kOverlap = DP == 128 || kConsumers == 2;")],
+                                         (WS, "kOverlap = DP <= 128;", "kOverlap = DP == 128 || (DP == 64 && kConsumers == 2);")],
     "overlap_at_256": [(WS, "kOverlap = DP <= 128;", "kOverlap = true;")],
     "two_stages_at_128": [(WS, "kStages = DP == 64 ? 4 : DP == 128 ? 3 : 2;", "kStages = DP == 64 ? 4 : 2;")],
     "no_turns": [(WS, "kTurnsUpToRounds = 1;", "kTurnsUpToRounds = 0;")],
