@@ -942,10 +942,12 @@ def test_gpu_wgmma_kv_heads_broadcast_by_expand(dtype, D):
 
 
 @needs_gpu
-@pytest.mark.parametrize("dtype, D, group, packed", [(torch.bfloat16, 128, 4, True), (torch.float16, 128, 3, False),
-                                                     (torch.bfloat16, 64, 4, False), (torch.float16, 64, 5, True),
-                                                     (torch.bfloat16, 256, 2, False)])
-def test_gpu_wgmma_many_tiles_per_cta(dtype, D, group, packed):
+@pytest.mark.parametrize("dtype, D, group, packed, divides", [(torch.bfloat16, 128, 4, True, True),
+                                                              (torch.float16, 128, 3, False, False),
+                                                              (torch.bfloat16, 64, 4, False, True),
+                                                              (torch.float16, 64, 5, True, False),
+                                                              (torch.bfloat16, 256, 2, False, True)])
+def test_gpu_wgmma_many_tiles_per_cta(dtype, D, group, packed, divides):
     """More CTA tiles than the GPU has SMs, so each CTA of the warp-specialised kernel walks several
     (its ring of stages running on across them, and its consumers' turns where
     kTurnsUpToRounds allows that many rounds), with groups that divide the tile's
@@ -961,8 +963,8 @@ def test_gpu_wgmma_many_tiles_per_cta(dtype, D, group, packed):
         q, k, v = make_qkv(B, T, Hq, Hkv, D, device="cuda", dtype=dtype)
     name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     assert gqa_module.plan(q, k, v) == "wgmma/%s/d%d" % (name, D)
-    rows_per_cta = 128
-    tiles = B * Hkv * -(-T * group // rows_per_cta)
+    assert (ws_rows_per_cta(D) % group == 0) == divides
+    tiles = B * Hkv * -(-T * group // ws_rows_per_cta(D))
     assert tiles > torch.cuda.get_device_properties(0).multi_processor_count
     check_half(call_poisoned(q, k, v), q, k, v, "many tiles per CTA, group %d" % group)
 
@@ -1010,6 +1012,20 @@ def test_ws_turns_up_to_rounds_is_read_from_the_kernel():
     assert ws_turns_up_to_rounds() >= 1
 
 
+def ws_rows_per_cta(width):
+    """WsTraits::kBlockM at a compiled width: 64 packed rows a consumer warpgroup, with kConsumers
+    read from the kernel's source (an int, or `DP == W ? a : b`)."""
+    with open(os.path.join(HERE, "kernels", "ws", "kernel.cuh")) as fh:
+        found = re.findall(r"kConsumers = (?:DP == (\d+) \? (\d+) : )?(\d+);", fh.read())
+    assert len(found) == 1, "kConsumers not found once in kernels/ws/kernel.cuh"
+    at, chosen, other = found[0]
+    return 64 * int(chosen if at and int(at) == width else other)
+
+
+def test_ws_rows_per_cta_is_read_from_the_kernel():
+    assert [ws_rows_per_cta(w) for w in (64, 128, 256)] == [192, 128, 128]
+
+
 @needs_gpu
 @pytest.mark.parametrize("dtype, B, T, Hkv, D, turns", [(torch.bfloat16, 1, 1000, 2, 128, True),
                                                        (torch.float16, 1, 777, 1, 64, True),
@@ -1020,12 +1036,12 @@ def test_ws_turns_up_to_rounds_is_read_from_the_kernel():
 def test_gpu_wgmma_with_and_without_turns(dtype, B, T, Hkv, D, turns):
     """The warp-specialised kernel is compiled with and without turns between its consumer
     warpgroups, and launch_ws takes the one with turns only while every CTA walks at most
-    WsTraits::kTurnsUpToRounds tiles (a grid of min(tiles, SMs) CTAs of 128 packed rows each):
+    WsTraits::kTurnsUpToRounds tiles (a grid of min(tiles, SMs) CTAs of ws_rows_per_cta rows each):
     shapes on each side of that rule at every width, every element within check_half's bound of
     the float64 reference, none left unwritten."""
     group = 4
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    tiles = B * Hkv * -(-T * group // 128)
+    tiles = B * Hkv * -(-T * group // ws_rows_per_cta(D))
     assert (tiles <= ws_turns_up_to_rounds() * min(tiles, sms)) == turns, (tiles, sms)
     q, k, v = make_qkv(B, T, Hkv * group, Hkv, D, device="cuda", dtype=dtype)
     name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]

@@ -32,9 +32,10 @@ template <int kConsumers> __device__ __forceinline__ void turn_pass(int wg) {
 // Configuration. A stage holds a K and a V tile in 64-column blocks of [keys][128 bytes], the
 // layout TMA's 128-byte swizzle writes and the wgmma descriptors read (sw128_offset).
 template <int DP> struct WsTraits {
-    // Consumer warpgroups, 64 packed rows each. Two at every width: at width 64 three measured 3%
-    // slower at (16, 2048, 32, 8, 64) and 20% slower at T = 1000 (NOTES v46).
-    static constexpr int kConsumers = 2;
+    // Consumer warpgroups, 64 packed rows each. Three at width 64: a third warp on each SM
+    // sub-partition to issue from while the others wait, 1.09x at (16, 2048, 32, 8, 64), though
+    // 0.85x at (1, 1000, 6, 2, 64), one round of fewer, longer tiles (NOTES v86). Two elsewhere.
+    static constexpr int kConsumers = DP == 64 ? 3 : 2;
     static constexpr int kBlockM = 64 * kConsumers;     // packed rows per CTA
     // setmaxnreg: the producer's registers and the consumers' (a multiple of 8; in all <= 64K).
     static constexpr int kProducerRegs = kConsumers == 2 ? 40 : 24;
