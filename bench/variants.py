@@ -39,7 +39,7 @@ VARIANTS = {
     "rowwise_backward_at_256": [("kernels/attention.cu", "kWgAt256 = true;", "kWgAt256 = false;")],
     "not_persistent": [(WS, "kPersistent = true;", "kPersistent = false;")],
     "round_robin_walk": [(WS, "((k & 1) ? G - 1 - c : c)", "c")],
-    "two_consumers_at_64": [(WS, "kConsumers = DP == 64 ? 3 : 2;", "kConsumers = 2;")],
+    "two_consumers_at_64": [("kernels/gqa_params.h", "{ return width == 64 ? 3 : 2; }", "{ return 2; }")],
     "three_consumers_at_64_no_overlap": [(WS, "kOverlap = DP <= 128;", "kOverlap = DP == 128;")],
     "overlap_at_256": [(WS, "kOverlap = DP <= 128;", "kOverlap = true;")],
     "two_stages_at_128": [(WS, "kStages = DP == 64 ? 4 : DP == 128 ? 3 : 2;", "kStages = DP == 64 ? 4 : 2;")],

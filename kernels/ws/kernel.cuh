@@ -12,6 +12,7 @@
 
 #include "common/tile_io.cuh"
 #include "common/tma.cuh"
+#include "ws/rules.cuh"
 
 namespace {
 
@@ -31,11 +32,11 @@ template <int kConsumers> __device__ __forceinline__ void turn_pass(int wg) {
 // ---------------------------------------------------------------------------------------------
 // Configuration. A stage holds a K and a V tile in 64-column blocks of [keys][128 bytes], the
 // layout TMA's 128-byte swizzle writes and the wgmma descriptors read (sw128_offset).
-template <int DP> struct WsTraits {
-    // Consumer warpgroups, 64 packed rows each. Three at width 64: a third warp on each SM
-    // sub-partition to issue from while the others wait, 1.09x at (16, 2048, 32, 8, 64), though
-    // 0.85x at (1, 1000, 6, 2, 64), one round of fewer, longer tiles (NOTES v86). Two elsewhere.
-    static constexpr int kConsumers = DP == 64 ? 3 : 2;
+template <int DP, int kC = ws_consumers(DP)> struct WsTraits {
+    // Consumer warpgroups, 64 packed rows each: ws_consumers (ws/rules.cuh), or two where
+    // ws_consumers_for picks them.
+    static constexpr int kConsumers = kC;
+    static_assert(kC == 2 || kC == ws_consumers(DP), "two consumers, or the width's own count");
     static constexpr int kBlockM = 64 * kConsumers;     // packed rows per CTA
     // setmaxnreg: the producer's registers and the consumers' (a multiple of 8; in all <= 64K).
     static constexpr int kProducerRegs = kConsumers == 2 ? 40 : 24;
@@ -145,11 +146,11 @@ __device__ __forceinline__ int ws_walk(int k, int tiles) {
 // q_tma the producer loads the next tile's Q as soon as every consumer has issued its last S
 // product of this one, so the next tile's first products wait for nothing while this one's last
 // P V, softmax and stores finish. Without q_tma the consumers copy Q themselves at each tile.
-template <int kDtype, int DP, bool kTurns>
-__global__ void __launch_bounds__(WsTraits<DP>::kThreads, 1)
+template <int kDtype, int DP, bool kTurns, int kConsumers>
+__global__ void __launch_bounds__(WsTraits<DP, kConsumers>::kThreads, 1)
 gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const TileDivs dv, int tiles, int section,
               int q_tma) {
-    using Tr = WsTraits<DP>;
+    using Tr = WsTraits<DP, kConsumers>;
     using Elem = Half16;
     constexpr bool bf16 = kDtype == kGqaBFloat16;
     constexpr int BM = Tr::kBlockM, TK = Tr::kKeys, S = Tr::kStages, kC = Tr::kConsumers;
@@ -490,15 +491,16 @@ inline cudaError_t ws_tensor_map(CUtensorMap* map, const void* data, const GqaPa
                             {64, cuuint32_t(box_heads), cuuint32_t(box_steps), 1});
 }
 
-// Launches the warp-specialised kernel over every tile of kBlockM packed rows (16-byte-aligned rows
-// only), one CTA per SM at most. Returns cudaErrorNotSupported, launching nothing, for K and V
-// layouts no tensor map describes; Q goes through a tensor map when one describes its tiles.
-template <int kDtype, int DP>
-cudaError_t launch_ws(const GqaParams& p, cudaStream_t stream, int dev) {
-    using Tr = WsTraits<DP>;
+// Launches the warp-specialised kernel with kC consumers over every tile of kBlockM packed rows
+// (16-byte-aligned rows only), one CTA per SM at most. Returns cudaErrorNotSupported, launching
+// nothing, for K and V layouts no tensor map describes; Q goes through a tensor map when one
+// describes its tiles.
+template <int kDtype, int DP, int kC>
+cudaError_t launch_ws_with(const GqaParams& p, cudaStream_t stream, int dev) {
+    using Tr = WsTraits<DP, kC>;
     static bool raised[2][kMaxDevices] = {};
-    cudaError_t err = raise_smem_limit(gqa_ws_kernel<kDtype, DP, true>, Tr::kSmemBytes, dev, raised[1]);
-    if (err == cudaSuccess) err = raise_smem_limit(gqa_ws_kernel<kDtype, DP, false>, Tr::kSmemBytes, dev, raised[0]);
+    cudaError_t err = raise_smem_limit(gqa_ws_kernel<kDtype, DP, true, kC>, Tr::kSmemBytes, dev, raised[1]);
+    if (err == cudaSuccess) err = raise_smem_limit(gqa_ws_kernel<kDtype, DP, false, kC>, Tr::kSmemBytes, dev, raised[0]);
     if (err != cudaSuccess) return err;
     const bool bf16 = kDtype == kGqaBFloat16;
     WsMaps maps;
@@ -520,9 +522,18 @@ cudaError_t launch_ws(const GqaParams& p, cudaStream_t stream, int dev) {
     const bool sections = Tr::kL2SectionBytes > 0 && pairs * pair_bytes > 2 * Tr::kL2SectionBytes;
     const int64_t section = sections ? std::min(pairs, std::max<int64_t>(1, Tr::kL2SectionBytes / pair_bytes)) : pairs;
     const bool turns = tiles <= int64_t(Tr::kTurnsUpToRounds) * ctas;
-    auto kernel = turns ? gqa_ws_kernel<kDtype, DP, true> : gqa_ws_kernel<kDtype, DP, false>;
+    auto kernel = turns ? gqa_ws_kernel<kDtype, DP, true, kC> : gqa_ws_kernel<kDtype, DP, false, kC>;
     kernel<<<unsigned(ctas), Tr::kThreads, Tr::kSmemBytes, stream>>>(maps, p, dv, int(tiles), int(section), q_tma ? 1 : 0);
     return cudaGetLastError();
+}
+
+// The plan's consumers (plan.warps: 4 a warpgroup, the producer's included; ws_consumers_for).
+template <int kDtype, int DP>
+cudaError_t launch_ws(const GqaParams& p, const GqaPlan& plan, cudaStream_t stream, int dev) {
+    constexpr int kMost = ws_consumers(DP);
+    if (kMost != 2 && plan.warps == 4 * (1 + kMost)) return launch_ws_with<kDtype, DP, kMost>(p, stream, dev);
+    if (plan.warps != 4 * 3) return cudaErrorInvalidConfiguration;
+    return launch_ws_with<kDtype, DP, 2>(p, stream, dev);
 }
 
 }  // namespace
