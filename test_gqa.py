@@ -794,6 +794,16 @@ def test_plan_cases_cover_every_plan():
         assert gqa_module.plan_for(B, T, Hq, Hkv, D, DTYPES[name.split("/")[1]], not offset) == name
 
 
+def test_readme_counts_the_plans():
+    """README.md's Plans section gives the number of plans an sm_90a build lists."""
+    plans = gqa_module.all_plans()
+    if not any(name.startswith("wgmma/") for name in plans):
+        pytest.skip("this build has no wgmma family (no sm_90a); README.md counts an sm_90a build's plans")
+    with open(os.path.join(HERE, "README.md")) as fh:
+        found = re.findall(r"`gqa_module.all_plans\(\)` lists the (\d+) plans of an sm_90a build", fh.read())
+    assert found == [str(len(plans))], (found, len(plans))
+
+
 def offset_by_one(x):
     """x's values in a view that starts one element into its storage (rows not 16-byte aligned)."""
     base = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)
