@@ -86,14 +86,9 @@ template <int DP, int kC = ws_consumers(DP)> struct WsTraits {
     // The L2 share that one section's K and V may take (ws_tile, launch_ws; 0: one section of every
     // pair). 24 MB measured 1.07x at (16, 2048, 32, 8, 64) and 1.03x at (1, 32768, 32, 8, 128).
     static constexpr int64_t kL2SectionBytes = int64_t(24) << 20;
-    // The rows' sums of P as a fourth product, P times a block of ones (rowsum_wgmma: 8 m64n8k16
-    // issues a tile), in place of 64 FADDs a thread a tile: at width 64 the consumers' issue slots
-    // bind (NOTES v58). l then sums P as rounded for P V.
-    static constexpr bool kRowSumByProduct = false;
     static constexpr int kTileBytes = kKeys * DP * 2;   // one K or V tile
     static constexpr int kQBytes = kBlockM * DP * 2;
-    static constexpr int kOnesBytes = kRowSumByProduct ? 1024 : 0;   // rowsum_wgmma's ones, past the ring
-    static constexpr size_t kSmemBytes = 1024 + size_t(kQBytes) + size_t(2) * kStages * kTileBytes + kOnesBytes;
+    static constexpr size_t kSmemBytes = 1024 + size_t(kQBytes) + size_t(2) * kStages * kTileBytes;
     static_assert(DP == 64 || DP == 128 || DP == 256, "head_dim widths 64, 128 and 256");
     static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "the register file holds every warpgroup");
     static_assert(kSmemBytes + 128 <= 227 * 1024, "the ring, Q and the barriers fit one CTA's shared memory");
@@ -165,7 +160,6 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
     Elem* sQ = reinterpret_cast<Elem*>(base);                                   // [DP / 64][BM][64], swizzled
     auto sK = [&](int st) { return reinterpret_cast<Elem*>(base + Tr::kQBytes + st * 2 * Tr::kTileBytes); };
     auto sV = [&](int st) { return sK(st) + TK * DP; };
-    [[maybe_unused]] Elem* sOnes = reinterpret_cast<Elem*>(base + Tr::kQBytes + 2 * S * Tr::kTileBytes);   // (kRowSumByProduct)
     __shared__ uint64_t full_k[S], full_v[S], ready[S];   // K landed, V landed, V scanned
     __shared__ uint64_t free_k[S], free_v[S];             // every consumer done with the K / V tile
     __shared__ uint64_t full_q, free_q;                   // Q landed; every consumer's last S issued
@@ -184,11 +178,6 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
         mbar_init(&full_q, 1);
         mbar_init(&free_q, 128 * kC);
         mbar_init_fence();
-    }
-    if constexpr (Tr::kRowSumByProduct) {
-        if (threadIdx.x < Tr::kOnesBytes / 4)
-            reinterpret_cast<uint32_t*>(sOnes)[threadIdx.x] = bf16 ? 0x3f803f80u : 0x3c003c00u;   // 1.0 pairs
-        fence_async_proxy();   // before the consumers' wgmma reads
     }
     __syncthreads();
 
@@ -313,7 +302,6 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
         float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-        float lp[4] = {0.f, 0.f, 0.f, 0.f};   // kRowSumByProduct: l of rows gid (0, 1) and gid + 8 (2, 3)
         float s[kNTiles][4];   // S, then P, of the K/V tile in hand
         float f[2];            // O's rescale factors from the last softmax
 
@@ -327,18 +315,8 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
             }
 #pragma unroll
             for (int r = 0; r < 2; ++r)
-                f[r] = softmax_row<kNTiles, false, Tr::kFmaExpTiles, Tr::kRescaleSlack, !Tr::kRowSumByProduct, Tr::kTreeSums>(
+                f[r] = softmax_row<kNTiles, false, Tr::kFmaExpTiles, Tr::kRescaleSlack, Tr::kTreeSums>(
                     s, 2 * r, m[r], l[r], scale_log2);
-        };
-        // O += P V of key tile n (and l += P 1), without a commit.
-        auto issue_pv = [&](const uint32_t (&pa)[kNTiles / 2][4], int n) {
-            pv_wgmma<bf16, DP, TK>(o, pa, sV((it + n) % S));
-            if constexpr (Tr::kRowSumByProduct) rowsum_wgmma<bf16>(lp, pa, sOnes);
-        };
-        // The P V products of the last issue have completed: O (and l) may be read.
-        auto settle_o = [&]() {
-            fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
-            if constexpr (Tr::kRowSumByProduct) fence_regs(lp);
         };
         auto scalar_pv_nonfinite = [&](int key0) {
             add_nonfinite_pv<kNTiles, kDTiles, Tr::kCompactNonfinite>(o, s, row_t, key0, head.v, p.v_stride_t, T, p.D, bf16);
@@ -352,7 +330,6 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
                 o[d][0] *= f[0], o[d][1] *= f[0];
                 o[d][2] *= f[1], o[d][3] *= f[1];
             }
-            if constexpr (Tr::kRowSumByProduct) lp[0] *= f[0], lp[1] *= f[0], lp[2] *= f[1], lp[3] *= f[1];
         };
         // Key tile n's K and V: landed (K) or landed and scanned (V), and the stage's Inf/NaN mark.
         auto wait_k = [&](int n) { mbar_wait(&full_k[(it + n) % S], uint32_t(((it + n) / S) & 1)); };
@@ -385,7 +362,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
                 if (kPP) turn_wait(wg);
                 issue_qk(n + 1);
                 wg_commit();
-                issue_pv(pa, n);
+                pv_wgmma<bf16, DP, TK>(o, pa, sV((it + n) % S));
                 wg_commit();
                 if (kPP) hand_on();
                 wg_wait<1>();
@@ -393,7 +370,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
                 s_done(n + 1);
                 mask_softmax((n + 1) * TK);
                 wg_wait<0>();
-                settle_o();
+                fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
                 mbar_arrive(&free_v[(it + n) % S]);
                 rescale_o();
             }
@@ -402,11 +379,11 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
                 uint32_t pa[kNTiles / 2][4];
                 pack_p<bf16>(pa, s);
                 if (kPP) turn_wait(wg);
-                issue_pv(pa, n_kv - 1);
+                pv_wgmma<bf16, DP, TK>(o, pa, sV((it + n_kv - 1) % S));
                 wg_commit();
                 if (kPP && (!last_wg || more)) hand_on();
                 wg_wait<0>();
-                settle_o();
+                fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
                 mbar_arrive(&free_v[(it + n_kv - 1) % S]);
             }
         } else {
@@ -426,25 +403,20 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
                 uint32_t pa[kNTiles / 2][4];
                 pack_p<bf16>(pa, s);
                 if (kPP) turn_wait(wg);
-                issue_pv(pa, n);
+                pv_wgmma<bf16, DP, TK>(o, pa, sV((it + n) % S));
                 wg_commit();
                 if (kPP && (!last_wg || n + 1 < n_kv || more)) hand_on();
                 wg_wait<0>();
-                settle_o();
+                fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
                 mbar_arrive(&free_v[(it + n) % S]);
             }
         }
 
-        // Epilogue: l across the quad that shares a row (the product's sums are whole already), then
-        // normalise and store column pairs.
+        // Epilogue: l across the quad that shares a row, then normalise and store column pairs.
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            if constexpr (Tr::kRowSumByProduct) {
-                l[r] = lp[2 * r];
-            } else {
-                l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-                l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-            }
+            l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+            l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
         }
         Elem* o_base = static_cast<Elem*>(p.o) + w.b * p.o_stride_b + int64_t(w.kvh) * G * p.o_stride_h;
 #pragma unroll
