@@ -131,7 +131,7 @@ def test_extension_builds_and_registers_ops():
     assert plans and len(set(plans)) == len(plans), plans
     for name in plans:
         assert re.fullmatch(r"(rowwise/(fp32|fp16|bf16)/(8x1|8x1-planned|4x4)"
-                            r"|(short|tiled|wgmma|x3)/(fp32|fp16|bf16)/d(32|64|128|256)(-split8)?)", name), name
+                            r"|(short|tiled|wgmma|x3)/(fp32|fp16|bf16)/d(32|64|128|256)(-split8|-rows128)?)", name), name
     for dtype, tag in ((torch.float32, "fp32"), (torch.float16, "fp16"), (torch.bfloat16, "bf16")):
         for B, T, Hq, Hkv, D, aligned in itertools.product((1, 16), (1, 128, 129, 2000), (8,), (2, 8), (4, 32, 64, 96, 256),
                                                           (True, False)):
@@ -765,7 +765,8 @@ PLAN_CASES = {
     "tiled/fp16/d64": (25, 200, 4, 2, 64, True),
     "tiled/fp16/d128": (25, 200, 4, 2, 100, False),
     "tiled/fp16/d256": (25, 200, 4, 2, 256, True),
-    "wgmma/fp16/d64": (25, 200, 4, 2, 40, False),
+    "wgmma/fp16/d64": (25, 200, 8, 2, 40, False),
+    "wgmma/fp16/d64-rows128": (25, 200, 4, 2, 40, False),
     "wgmma/fp16/d128": (25, 200, 4, 2, 128, False),
     "wgmma/fp16/d256": (25, 200, 4, 2, 136, False),
     "rowwise/bf16/8x1": (10, 100, 2, 2, 8, False),
@@ -774,7 +775,8 @@ PLAN_CASES = {
     "tiled/bf16/d64": (25, 200, 4, 2, 56, True),
     "tiled/bf16/d128": (25, 200, 4, 2, 120, True),
     "tiled/bf16/d256": (25, 200, 4, 2, 129, False),
-    "wgmma/bf16/d64": (25, 200, 4, 2, 64, False),
+    "wgmma/bf16/d64": (25, 200, 8, 2, 64, False),
+    "wgmma/bf16/d64-rows128": (25, 200, 4, 2, 64, False),
     "wgmma/bf16/d128": (25, 200, 4, 2, 80, False),
     "wgmma/bf16/d256": (25, 200, 4, 2, 256, False),
 }
@@ -926,7 +928,8 @@ def test_gpu_wgmma_ring_of_stages_strided_kv_and_nonfinite(dtype, D):
     kv = torch.randn(B, T, 2, Hkv, D, device="cuda").to(dtype)
     k, v = kv[:, :, 0], kv[:, :, 1]
     width = 64 if D <= 64 else 128 if D <= 128 else 256
-    assert not k.is_contiguous() and gqa_module.plan(q, k, v) == "wgmma/%s/d%d" % (name, width)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert not k.is_contiguous() and gqa_module.plan(q, k, v) == ws_plan(dtype, B, T, Hq, Hkv, width, sms)
     bound = half_error_bound(q, k, v)
     v[0, 700, 1, 5] = float("nan")      # batch 0, kv head 1: query heads 3..5 from step 700 on
     v[1, 999, 0, 0] = float("inf")      # the last key: only the last step sees it
@@ -952,15 +955,18 @@ def test_gpu_wgmma_kv_heads_broadcast_by_expand(dtype, D):
 
 
 @needs_gpu
-@pytest.mark.parametrize("dtype, D, group, packed, divides", [(torch.bfloat16, 128, 4, True, True),
-                                                              (torch.float16, 128, 3, False, False),
-                                                              (torch.bfloat16, 64, 4, False, True),
-                                                              (torch.float16, 64, 5, True, False),
-                                                              (torch.bfloat16, 256, 2, False, True)])
-def test_gpu_wgmma_many_tiles_per_cta(dtype, D, group, packed, divides):
+@pytest.mark.parametrize("dtype, D, group, packed, rows, divides", [(torch.bfloat16, 128, 4, True, 128, True),
+                                                                    (torch.float16, 128, 3, False, 128, False),
+                                                                    (torch.bfloat16, 64, 4, False, 128, True),
+                                                                    (torch.float16, 64, 7, False, 128, False),
+                                                                    (torch.bfloat16, 64, 3, True, 192, True),
+                                                                    (torch.float16, 64, 5, True, 192, False),
+                                                                    (torch.bfloat16, 256, 2, False, 128, True)])
+def test_gpu_wgmma_many_tiles_per_cta(dtype, D, group, packed, rows, divides):
     """More CTA tiles than the GPU has SMs, so each CTA of the warp-specialised kernel walks several
     (its ring of stages running on across them, and its consumers' turns where
-    kTurnsUpToRounds allows that many rounds), with groups that divide the tile's
+    kTurnsUpToRounds allows that many rounds), at width 64 with two consumer warpgroups and with
+    three (`rows` a CTA, on 132 SMs), with groups that divide the tile's
     packed rows (Q loaded ahead through a tensor map) and groups that do not (Q copied by the
     consumers), q, k and v as views of one packed tensor or not: every element within check_half's
     bound of the float64 reference, none left unwritten."""
@@ -971,11 +977,12 @@ def test_gpu_wgmma_many_tiles_per_cta(dtype, D, group, packed, divides):
         q, k, v = qkv[:, :, :Hq], qkv[:, :, Hq:Hq + Hkv], qkv[:, :, Hq + Hkv:]
     else:
         q, k, v = make_qkv(B, T, Hq, Hkv, D, device="cuda", dtype=dtype)
-    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-    assert gqa_module.plan(q, k, v) == "wgmma/%s/d%d" % (name, D)
-    assert (ws_rows_per_cta(D) % group == 0) == divides
-    tiles = B * Hkv * -(-T * group // ws_rows_per_cta(D))
-    assert tiles > torch.cuda.get_device_properties(0).multi_processor_count
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert gqa_module.plan(q, k, v) == ws_plan(dtype, B, T, Hq, Hkv, D, sms)
+    if sms == 132:
+        assert ws_rows_per_cta(B, T, Hq, Hkv, D, sms) == rows and (rows % group == 0) == divides
+    tiles = B * Hkv * -(-T * group // ws_rows_per_cta(B, T, Hq, Hkv, D, sms))
+    assert tiles > sms
     check_half(call_poisoned(q, k, v), q, k, v, "many tiles per CTA, group %d" % group)
 
 
@@ -1005,8 +1012,8 @@ def test_gpu_wgmma_tiles_in_l2_sections(dtype, B, T, Hkv, group, D):
     section = min(pairs, max(1, budget // pair_bytes))
     assert 1 < section < pairs and pairs % section != 0, "sections of %d pairs of %d" % (section, pairs)
     q, k, v = make_qkv(B, T, Hkv * group, Hkv, D, device="cuda", dtype=dtype)
-    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-    assert gqa_module.plan(q, k, v) == "wgmma/%s/d%d" % (name, D)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert gqa_module.plan(q, k, v) == ws_plan(dtype, B, T, Hkv * group, Hkv, D, sms)
     check_half(call_poisoned(q, k, v), q, k, v, "L2 sections of %d pairs of %d" % (section, pairs))
 
 
@@ -1022,18 +1029,60 @@ def test_ws_turns_up_to_rounds_is_read_from_the_kernel():
     assert ws_turns_up_to_rounds() >= 1
 
 
-def ws_rows_per_cta(width):
-    """WsTraits::kBlockM at a compiled width: 64 packed rows a consumer warpgroup, with kConsumers
-    read from the kernel's source (an int, or `DP == W ? a : b`)."""
-    with open(os.path.join(HERE, "kernels", "ws", "kernel.cuh")) as fh:
-        found = re.findall(r"kConsumers = (?:DP == (\d+) \? (\d+) : )?(\d+);", fh.read())
-    assert len(found) == 1, "kConsumers not found once in kernels/ws/kernel.cuh"
+def ws_width_consumers(width):
+    """gqa_ws_consumers (kernels/gqa_params.h), read from the source: the warp-specialised kernel's
+    consumer warpgroups at a width (`width == W ? a : b`, or an int)."""
+    with open(os.path.join(HERE, "kernels", "gqa_params.h")) as fh:
+        found = re.findall(r"gqa_ws_consumers\(int width\) \{ return (?:width == (\d+) \? (\d+) : )?(\d+); \}", fh.read())
+    assert len(found) == 1, "gqa_ws_consumers not found once in kernels/gqa_params.h"
     at, chosen, other = found[0]
-    return 64 * int(chosen if at and int(at) == width else other)
+    return int(chosen if at and int(at) == width else other)
 
 
-def test_ws_rows_per_cta_is_read_from_the_kernel():
-    assert [ws_rows_per_cta(w) for w in (64, 128, 256)] == [192, 128, 128]
+def ws_rows_per_cta(B, T, Hq, Hkv, width, sms):
+    """The packed rows of the warp-specialised kernel's CTAs for a shape, as ws_consumers_for
+    (kernels/ws/rules.cuh) picks them: 64 a consumer warpgroup, the width's own count unless two
+    leave the busiest CTA of a grid of min(tiles, sms) fewer rows."""
+    def busiest(rows):
+        tiles = B * Hkv * -(-T * (Hq // Hkv) // rows)
+        return -(-tiles // min(tiles, sms)) * rows
+    most = 64 * ws_width_consumers(width)
+    return most if busiest(most) <= busiest(128) else 128
+
+
+def ws_plan(dtype, B, T, Hq, Hkv, width, sms):
+    """The wgmma plan's name for a shape: "wgmma/<dtype>/d<width>", "-rows128" where the width's
+    own consumer count is not the one taken."""
+    rows = ws_rows_per_cta(B, T, Hq, Hkv, width, sms)
+    name = "wgmma/%s/d%d" % ({torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype], width)
+    return name + ("-rows128" if rows != 64 * ws_width_consumers(width) else "")
+
+
+def test_ws_width_consumers_is_read_from_the_source():
+    assert [ws_width_consumers(w) for w in (64, 128, 256)] == [3, 2, 2]
+
+
+@pytest.mark.parametrize("sms", [132, 114, 20])
+def test_ws_plan_rows_follow_the_rule(sms):
+    """plan_for (the C++ dispatch, on the CPU) names the consumer count that ws_plan's model of
+    ws_consumers_for gives, over shapes on both sides of the rule and at its ties, at every width;
+    the two benchmark-side shapes take the forms measured for them (NOTES v86)."""
+    plans = gqa_module.all_plans()
+    if not any(name.startswith("wgmma/") for name in plans):
+        pytest.skip("this build has no wgmma family (no sm_90a)")
+    seen = set()
+    for B, T, Hq, Hkv in [(1, 1000, 6, 2), (16, 2048, 32, 8), (2, 3000, 32, 8), (1, 777, 4, 1), (2, 2100, 16, 4),
+                          (2, 2100, 20, 4), (24, 129, 4, 2), (2, 129, 4, 2), (25, 200, 8, 2), (25, 200, 4, 2),
+                          (8, 1000, 50, 25), (4, 1024, 32, 8), (1, 32768, 32, 8), (3, 4097, 9, 3)]:
+        for width, D in [(64, 64), (64, 40), (128, 128), (256, 200)]:
+            for dtype in (torch.float16, torch.bfloat16):
+                got = gqa_module.plan_for(B, T, Hq, Hkv, D, dtype, True, False, sms, 9)
+                assert got == ws_plan(dtype, B, T, Hq, Hkv, width, sms), (B, T, Hq, Hkv, D, sms)
+                seen.add(got.split("/")[2])
+    assert {"d64", "d64-rows128", "d128", "d256"} <= seen
+    if sms == 132:
+        assert ws_plan(torch.bfloat16, 16, 2048, 32, 8, 64, sms) == "wgmma/bf16/d64"
+        assert ws_plan(torch.bfloat16, 1, 1000, 6, 2, 64, sms) == "wgmma/bf16/d64-rows128"
 
 
 @needs_gpu
@@ -1051,11 +1100,10 @@ def test_gpu_wgmma_with_and_without_turns(dtype, B, T, Hkv, D, turns):
     the float64 reference, none left unwritten."""
     group = 4
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    tiles = B * Hkv * -(-T * group // ws_rows_per_cta(D))
+    tiles = B * Hkv * -(-T * group // ws_rows_per_cta(B, T, Hkv * group, Hkv, D, sms))
     assert (tiles <= ws_turns_up_to_rounds() * min(tiles, sms)) == turns, (tiles, sms)
     q, k, v = make_qkv(B, T, Hkv * group, Hkv, D, device="cuda", dtype=dtype)
-    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
-    assert gqa_module.plan(q, k, v) == "wgmma/%s/d%d" % (name, D)
+    assert gqa_module.plan(q, k, v) == ws_plan(dtype, B, T, Hkv * group, Hkv, D, sms)
     check_half(call_poisoned(q, k, v), q, k, v, "%d tiles on %d SMs" % (tiles, sms))
 
 

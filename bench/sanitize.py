@@ -60,7 +60,8 @@ TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
 #    8x1-planned: fp32, 16-byte rows, one shared-memory chunk and few copies.
 #  - short: fp32, 16-byte rows, D 9..32, T <= 128 and a grid of at most 264 CTAs of 8 rows.
 #  - x3: fp32, T > 128, D 33..128 in 16-byte rows, allow_tf32 off, ceil(T*G/64)*B*Hkv >= 132.
-#  - wgmma: fp16/bf16, T > 128, D 33..256 in 16-byte rows.
+#  - wgmma: fp16/bf16, T > 128, D 33..256 in 16-byte rows; at width 64 "-rows128" (two consumer
+#    warpgroups) where CTAs of 192 rows would leave the busiest CTA more rows (ws/rules.cuh).
 #  - tiled: the rest of T > 128; fp32 up to width 128 splits keys over 8 warps (split8) when
 #    ceil(T*G/64)*B*Hkv < 132.
 # Ragged on purpose: T never a multiple of 64 beyond 128, D odd where the plan allows, G = 3 where
@@ -90,7 +91,8 @@ CASES = (
     ("tiled/fp16/d64",            1, 150,  4,  2,  37, "fp16", True,  False),
     ("tiled/fp16/d128",           1, 129,  4,  2, 100, "fp16", True,  False),  # 200-byte rows
     ("tiled/fp16/d256",           1, 129,  2,  1, 129, "fp16", True,  False),
-    ("wgmma/fp16/d64",            1, 129,  4,  2,  40, "fp16", True,  False),
+    ("wgmma/fp16/d64",           24, 129,  4,  2,  40, "fp16", True,  False),  # 3 consumers: 96 tiles of 192 rows
+    ("wgmma/fp16/d64-rows128",    1, 129,  4,  2,  40, "fp16", True,  False),
     ("wgmma/fp16/d128",           1, 150,  4,  2,  72, "fp16", True,  False),
     ("wgmma/fp16/d256",           1, 200,  6,  2, 200, "fp16", True,  False),  # G = 3, 200-column rows
     # bf16
@@ -100,7 +102,8 @@ CASES = (
     ("tiled/bf16/d64",            1, 129,  4,  2,  64, "bf16", False, False),  # offset rows
     ("tiled/bf16/d128",           1, 129,  4,  2, 127, "bf16", True,  False),
     ("tiled/bf16/d256",           1, 129,  2,  1, 256, "bf16", False, False),  # offset rows
-    ("wgmma/bf16/d64",            2, 129,  4,  2,  64, "bf16", True,  False),
+    ("wgmma/bf16/d64",           17, 129,  6,  2,  64, "bf16", True,  False),  # 3 consumers, G = 3: 102 tiles
+    ("wgmma/bf16/d64-rows128",    2, 129,  4,  2,  64, "bf16", True,  False),
     ("wgmma/bf16/d128",           1, 129,  4,  2, 128, "bf16", True,  False),
     ("wgmma/bf16/d256",           2, 129,  4,  2, 256, "bf16", True,  False),
 )

@@ -117,13 +117,17 @@ GqaDevice current_device() {
     return dev;
 }
 
-// "family/dtype/shape", e.g. "rowwise/fp32/8x1-planned", "tiled/fp32/d64-split8", "x3/fp32/d128".
+// "family/dtype/shape", e.g. "rowwise/fp32/8x1-planned", "tiled/fp32/d64-split8", "x3/fp32/d128",
+// "wgmma/bf16/d64-rows128" (fewer consumer warpgroups than the width's own, gqa_ws_consumers).
 std::string plan_name(const GqaPlan& plan) {
     std::string s = std::string(gqa_family_name(plan.family)) + "/" + gqa_dtype_name(plan.dtype) + "/";
     if (plan.family == kGqaRowwise) {
         s += num(plan.warps) + "x" + num(plan.split) + (plan.planned ? "-planned" : "");
     } else {
         s += "d" + num(plan.width) + (plan.split > 1 ? "-split" + num(plan.split) : "");
+        if (plan.family == kGqaWgmma && plan.warps != 4 * (1 + gqa_ws_consumers(plan.width))) {
+            s += "-rows" + num(16 * (plan.warps - 4));
+        }
     }
     return s;
 }

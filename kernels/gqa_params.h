@@ -93,10 +93,15 @@ struct GqaPlan {
     int family;    // GqaFamily
     int dtype;     // GqaDtype
     int width;     // compiled head_dim width (row-wise: 0, any head_dim)
-    int warps;     // warps per CTA
+    int warps;     // warps per CTA (wgmma: 4 a warpgroup, the producer's and the consumers')
     int split;     // row-wise: rows per warp; tiled: warps that split each K/V tile; else 1
     bool planned;  // row-wise: every copy addressed before the wait for the previous grid
 };
+
+// The warp-specialised forward's consumer warpgroups at a head_dim width, 64 packed rows each:
+// three at width 64, two elsewhere. A wgmma plan at width 64 takes two ("-rows128" in its name)
+// where three would leave its busiest CTA more rows to walk (ws/rules.cuh: ws_consumers_for).
+constexpr int gqa_ws_consumers(int width) { return width == 64 ? 3 : 2; }
 
 // A family library's entry, `gqa_launch_<family name>`: runs the plan on `stream`, returns a
 // cudaError_t value (0 on success).

@@ -11,6 +11,7 @@
 #include "common/base.cuh"
 #include "rowwise/rules.cuh"
 #include "short/rules.cuh"
+#include "ws/rules.cuh"
 
 namespace {
 
@@ -40,7 +41,9 @@ constexpr int kRowwiseMaxD = 8;
 //  - short: fp32, 16-byte rows, head_dim 9..32, where the row-wise grid would be 8 x 1.
 //  - x3: fp32 on an sm_90a build, head_dim 33..128, 16-byte rows, allow_tf32 off, a grid of 64-row
 //    CTAs that fills the GPU.
-//  - wgmma: fp16 and bf16 on an sm_90a build, head_dim 33..256 (widths 64, 128, 256), 16-byte rows.
+//  - wgmma: fp16 and bf16 on an sm_90a build, head_dim 33..256 (widths 64, 128, 256), 16-byte rows;
+//    the warp-specialised kernel's consumer warpgroups from ws_consumers_for (warps: 4 each, and
+//    4 for the producer).
 //  - tiled (mma.sync): everything else; fp32 at widths up to 128 splits each K/V tile over 8
 //    warps when 64-row CTAs would not give every SM one.
 GqaPlan make_plan(const GqaParams& p, const GqaDevice& dev) {
@@ -70,6 +73,7 @@ GqaPlan make_plan(const GqaParams& p, const GqaDevice& dev) {
     if (kHaveWgmma && dev.cc_major == 9 && p.vec16 && p.D > 32) {
         if (!fp32) {
             plan.family = kGqaWgmma;
+            plan.warps = 4 * (1 + ws_consumers_for(p, plan.width, sms));
             return plan;
         }
         if (p.D <= 128 && !p.tf32_single && int64_t(p.B) * p.Hkv <= 65535 && packed_row_ctas(p, kTileRows) >= sms) {
@@ -106,7 +110,12 @@ std::vector<GqaPlan> every_plan() {
         }
         if (kHaveWgmma) {
             for (int width : {64, 128, 256}) {
-                if (!fp32 || width <= 128) add(fp32 ? kGqaX3 : kGqaWgmma, dtype, width, 4, 1, false);
+                if (fp32) {
+                    if (width <= 128) add(kGqaX3, dtype, width, 4, 1, false);
+                    continue;
+                }
+                add(kGqaWgmma, dtype, width, 4 * (1 + ws_consumers(width)), 1, false);
+                if (ws_consumers(width) != 2) add(kGqaWgmma, dtype, width, 4 * 3, 1, false);
             }
         }
     }

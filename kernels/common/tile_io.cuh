@@ -113,15 +113,6 @@ __device__ __forceinline__ bool own_tile_sw_zero_nonfinite(Elem* dst, bool bf16)
     return true;
 }
 
-// The online-softmax step of one row of an S tile held as accumulators h and h + 1 of each n-tile
-// by the quad of lanes that shares the row: the row max m (of the scaled log2 scores) and the
-// running sum l move on, S becomes P = exp2(S * scale_log2 - m + shift), and the factor that
-// brings O (and l) to the new max is returned. kShift: P carries 2^shift (x3's headroom).
-// kFmaTiles: the last kFmaTiles n-tiles take fma_exp2 instead of MUFU's (x <= 0 only).
-// kSlack > 0: the row keeps its max while the new one exceeds it by at most kSlack (log2 units),
-// so P stays below 2^kSlack and O needs no rescale (factor 1) on most tiles; m and l stay
-// consistent, so the result is the same up to rounding. Not with kShift (x3's P has no headroom).
-// kSum false: l is left alone (the caller sums P itself, and rescales that sum by the factor).
 // Folds t[0..2W) into t[0] as a pairwise tree: t[j] = op(t[j], t[j + W]), then half as many.
 template <int W, int N, typename Op> __device__ __forceinline__ float fold_tree(float (&t)[N], Op op) {
 #pragma unroll
@@ -133,9 +124,17 @@ template <int W, int N, typename Op> __device__ __forceinline__ float fold_tree(
     }
 }
 
+// The online-softmax step of one row of an S tile held as accumulators h and h + 1 of each n-tile
+// by the quad of lanes that shares the row: the row max m (of the scaled log2 scores) and the
+// running sum l move on, S becomes P = exp2(S * scale_log2 - m + shift), and the factor that
+// brings O (and l) to the new max is returned. kShift: P carries 2^shift (x3's headroom).
+// kFmaTiles: the last kFmaTiles n-tiles take fma_exp2 instead of MUFU's (x <= 0 only).
+// kSlack > 0: the row keeps its max while the new one exceeds it by at most kSlack (log2 units),
+// so P stays below 2^kSlack and O needs no rescale (factor 1) on most tiles; m and l stay
+// consistent, so the result is the same up to rounding. Not with kShift (x3's P has no headroom).
 // kTree: the row's max and sum as pairwise trees (depth log2 of the row's values) instead of one
 // chain through every value; the same operations, the sum's rounding in another order.
-template <int kNTiles, bool kShift = false, int kFmaTiles = 0, int kSlack = 0, bool kSum = true, bool kTree = false>
+template <int kNTiles, bool kShift = false, int kFmaTiles = 0, int kSlack = 0, bool kTree = false>
 __device__ __forceinline__ float softmax_row(float (&st)[kNTiles][4], int h, float& m, float& l, float scale_log2,
                                              float shift = 0.f) {
     static_assert(kSlack == 0 || !kShift, "a stale max needs P's headroom");
@@ -159,7 +158,7 @@ __device__ __forceinline__ float softmax_row(float (&st)[kNTiles][4], int h, flo
     const float m_ref = m_new == -INFINITY ? 0.f : m_new;
     const float m_exp = kShift ? m_ref - shift : m_ref;
     const float f = fast_exp2(m - m_ref);
-    if constexpr (kSum) l *= f;
+    l *= f;
     m = m_new;
 #pragma unroll
     for (int j = 0; j < kNTiles; ++j) {
@@ -170,9 +169,9 @@ __device__ __forceinline__ float softmax_row(float (&st)[kNTiles][4], int h, flo
             st[j][h] = fast_exp2(fmaf(st[j][h], scale_log2, -m_exp));
             st[j][h + 1] = fast_exp2(fmaf(st[j][h + 1], scale_log2, -m_exp));
         }
-        if constexpr (kSum && !kTree) l += st[j][h] + st[j][h + 1];
+        if constexpr (!kTree) l += st[j][h] + st[j][h + 1];
     }
-    if constexpr (kSum && kTree) {
+    if constexpr (kTree) {
         float t[kNTiles];
 #pragma unroll
         for (int j = 0; j < kNTiles; ++j) t[j] = st[j][h] + st[j][h + 1];

@@ -92,15 +92,6 @@ template <bool kBf16>
 __device__ __forceinline__ void wgmma_rs_tb_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t db, int accumulate) { GQA_WGMMA_BODY(GQA_ASM_WGMMA_RS_TB_N128); }
 #undef GQA_ASM_WGMMA_RS_TB_N128
 
-#define GQA_ASM_WGMMA_RS_N8(TY) \
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n" \
-                     "wgmma.mma_async.sync.aligned.m64n8k16.f32." TY "." TY " {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n" \
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) \
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate))
-template <bool kBf16>
-__device__ __forceinline__ void wgmma_rs_n8(float (&d)[4], const uint32_t (&a)[4], uint64_t db, int accumulate) { GQA_WGMMA_BODY(GQA_ASM_WGMMA_RS_N8); }
-#undef GQA_ASM_WGMMA_RS_N8
-
 // S (the warpgroup's 64 rows x 8 NT keys, NT 8 or 16; each warp holds its 16 rows as s[NT][4]) =
 // Q K^T. Q is a swizzled tile of QR rows whose warpgroup rows start at `q_row0`, K a swizzled tile
 // of KR rows. Issued without a commit: the caller commits, and s is not valid before the matching
@@ -158,16 +149,6 @@ __device__ __forceinline__ void pv_wgmma(float (&o)[DP / 8][4], const uint32_t (
                                     ks > 0 || accumulate);
         }
     }
-}
-// The row sums of P (packed by pack_p) as a product: l (the m16n8 accumulator of each warp's 16
-// rows; every column holds its row's sum) += P 1, with `ones` a K-major operand of 16 keys x 8
-// columns of 16-bit ones (256 bytes, no swizzle) read at every k-step. Issued without a commit,
-// like pv_wgmma, whose P it takes.
-template <bool kBf16, int KS>
-__device__ __forceinline__ void rowsum_wgmma(float (&l)[4], const uint32_t (&a)[KS][4], const uint16_t* ones) {
-    const uint64_t od = wg_desc(ones, 128, 256) & ~(uint64_t(3) << 62);   // layout type 0: no swizzle
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) wgmma_rs_n8<kBf16>(l, a[ks], od, 1);
 }
 #undef GQA_WGMMA_BODY
 

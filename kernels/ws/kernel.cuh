@@ -12,6 +12,7 @@
 
 #include "common/tile_io.cuh"
 #include "common/tma.cuh"
+#include "ws/rules.cuh"
 
 namespace {
 
@@ -31,11 +32,11 @@ template <int kConsumers> __device__ __forceinline__ void turn_pass(int wg) {
 // ---------------------------------------------------------------------------------------------
 // Configuration. A stage holds a K and a V tile in 64-column blocks of [keys][128 bytes], the
 // layout TMA's 128-byte swizzle writes and the wgmma descriptors read (sw128_offset).
-template <int DP> struct WsTraits {
-    // Consumer warpgroups, 64 packed rows each. Three at width 64: a third warp on each SM
-    // sub-partition to issue from while the others wait, 1.09x at (16, 2048, 32, 8, 64), though
-    // 0.85x at (1, 1000, 6, 2, 64), one round of fewer, longer tiles (NOTES v86). Two elsewhere.
-    static constexpr int kConsumers = DP == 64 ? 3 : 2;
+template <int DP, int kC = ws_consumers(DP)> struct WsTraits {
+    // Consumer warpgroups, 64 packed rows each: ws_consumers (ws/rules.cuh), or two where
+    // ws_consumers_for picks them.
+    static constexpr int kConsumers = kC;
+    static_assert(kC == 2 || kC == ws_consumers(DP), "two consumers, or the width's own count");
     static constexpr int kBlockM = 64 * kConsumers;     // packed rows per CTA
     // setmaxnreg: the producer's registers and the consumers' (a multiple of 8; in all <= 64K).
     static constexpr int kProducerRegs = kConsumers == 2 ? 40 : 24;
@@ -85,14 +86,9 @@ template <int DP> struct WsTraits {
     // The L2 share that one section's K and V may take (ws_tile, launch_ws; 0: one section of every
     // pair). 24 MB measured 1.07x at (16, 2048, 32, 8, 64) and 1.03x at (1, 32768, 32, 8, 128).
     static constexpr int64_t kL2SectionBytes = int64_t(24) << 20;
-    // The rows' sums of P as a fourth product, P times a block of ones (rowsum_wgmma: 8 m64n8k16
-    // issues a tile), in place of 64 FADDs a thread a tile: at width 64 the consumers' issue slots
-    // bind (NOTES v58). l then sums P as rounded for P V.
-    static constexpr bool kRowSumByProduct = false;
     static constexpr int kTileBytes = kKeys * DP * 2;   // one K or V tile
     static constexpr int kQBytes = kBlockM * DP * 2;
-    static constexpr int kOnesBytes = kRowSumByProduct ? 1024 : 0;   // rowsum_wgmma's ones, past the ring
-    static constexpr size_t kSmemBytes = 1024 + size_t(kQBytes) + size_t(2) * kStages * kTileBytes + kOnesBytes;
+    static constexpr size_t kSmemBytes = 1024 + size_t(kQBytes) + size_t(2) * kStages * kTileBytes;
     static_assert(DP == 64 || DP == 128 || DP == 256, "head_dim widths 64, 128 and 256");
     static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "the register file holds every warpgroup");
     static_assert(kSmemBytes + 128 <= 227 * 1024, "the ring, Q and the barriers fit one CTA's shared memory");
@@ -145,11 +141,11 @@ __device__ __forceinline__ int ws_walk(int k, int tiles) {
 // q_tma the producer loads the next tile's Q as soon as every consumer has issued its last S
 // product of this one, so the next tile's first products wait for nothing while this one's last
 // P V, softmax and stores finish. Without q_tma the consumers copy Q themselves at each tile.
-template <int kDtype, int DP, bool kTurns>
-__global__ void __launch_bounds__(WsTraits<DP>::kThreads, 1)
+template <int kDtype, int DP, bool kTurns, int kConsumers>
+__global__ void __launch_bounds__(WsTraits<DP, kConsumers>::kThreads, 1)
 gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const TileDivs dv, int tiles, int section,
               int q_tma) {
-    using Tr = WsTraits<DP>;
+    using Tr = WsTraits<DP, kConsumers>;
     using Elem = Half16;
     constexpr bool bf16 = kDtype == kGqaBFloat16;
     constexpr int BM = Tr::kBlockM, TK = Tr::kKeys, S = Tr::kStages, kC = Tr::kConsumers;
@@ -164,7 +160,6 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
     Elem* sQ = reinterpret_cast<Elem*>(base);                                   // [DP / 64][BM][64], swizzled
     auto sK = [&](int st) { return reinterpret_cast<Elem*>(base + Tr::kQBytes + st * 2 * Tr::kTileBytes); };
     auto sV = [&](int st) { return sK(st) + TK * DP; };
-    [[maybe_unused]] Elem* sOnes = reinterpret_cast<Elem*>(base + Tr::kQBytes + 2 * S * Tr::kTileBytes);   // (kRowSumByProduct)
     __shared__ uint64_t full_k[S], full_v[S], ready[S];   // K landed, V landed, V scanned
     __shared__ uint64_t free_k[S], free_v[S];             // every consumer done with the K / V tile
     __shared__ uint64_t full_q, free_q;                   // Q landed; every consumer's last S issued
@@ -183,11 +178,6 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
         mbar_init(&full_q, 1);
         mbar_init(&free_q, 128 * kC);
         mbar_init_fence();
-    }
-    if constexpr (Tr::kRowSumByProduct) {
-        if (threadIdx.x < Tr::kOnesBytes / 4)
-            reinterpret_cast<uint32_t*>(sOnes)[threadIdx.x] = bf16 ? 0x3f803f80u : 0x3c003c00u;   // 1.0 pairs
-        fence_async_proxy();   // before the consumers' wgmma reads
     }
     __syncthreads();
 
@@ -312,7 +302,6 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
 #pragma unroll
         for (int d = 0; d < kDTiles; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
         float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-        float lp[4] = {0.f, 0.f, 0.f, 0.f};   // kRowSumByProduct: l of rows gid (0, 1) and gid + 8 (2, 3)
         float s[kNTiles][4];   // S, then P, of the K/V tile in hand
         float f[2];            // O's rescale factors from the last softmax
 
@@ -326,18 +315,8 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
             }
 #pragma unroll
             for (int r = 0; r < 2; ++r)
-                f[r] = softmax_row<kNTiles, false, Tr::kFmaExpTiles, Tr::kRescaleSlack, !Tr::kRowSumByProduct, Tr::kTreeSums>(
+                f[r] = softmax_row<kNTiles, false, Tr::kFmaExpTiles, Tr::kRescaleSlack, Tr::kTreeSums>(
                     s, 2 * r, m[r], l[r], scale_log2);
-        };
-        // O += P V of key tile n (and l += P 1), without a commit.
-        auto issue_pv = [&](const uint32_t (&pa)[kNTiles / 2][4], int n) {
-            pv_wgmma<bf16, DP, TK>(o, pa, sV((it + n) % S));
-            if constexpr (Tr::kRowSumByProduct) rowsum_wgmma<bf16>(lp, pa, sOnes);
-        };
-        // The P V products of the last issue have completed: O (and l) may be read.
-        auto settle_o = [&]() {
-            fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
-            if constexpr (Tr::kRowSumByProduct) fence_regs(lp);
         };
         auto scalar_pv_nonfinite = [&](int key0) {
             add_nonfinite_pv<kNTiles, kDTiles, Tr::kCompactNonfinite>(o, s, row_t, key0, head.v, p.v_stride_t, T, p.D, bf16);
@@ -351,7 +330,6 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
                 o[d][0] *= f[0], o[d][1] *= f[0];
                 o[d][2] *= f[1], o[d][3] *= f[1];
             }
-            if constexpr (Tr::kRowSumByProduct) lp[0] *= f[0], lp[1] *= f[0], lp[2] *= f[1], lp[3] *= f[1];
         };
         // Key tile n's K and V: landed (K) or landed and scanned (V), and the stage's Inf/NaN mark.
         auto wait_k = [&](int n) { mbar_wait(&full_k[(it + n) % S], uint32_t(((it + n) / S) & 1)); };
@@ -384,7 +362,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
                 if (kPP) turn_wait(wg);
                 issue_qk(n + 1);
                 wg_commit();
-                issue_pv(pa, n);
+                pv_wgmma<bf16, DP, TK>(o, pa, sV((it + n) % S));
                 wg_commit();
                 if (kPP) hand_on();
                 wg_wait<1>();
@@ -392,7 +370,7 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
                 s_done(n + 1);
                 mask_softmax((n + 1) * TK);
                 wg_wait<0>();
-                settle_o();
+                fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
                 mbar_arrive(&free_v[(it + n) % S]);
                 rescale_o();
             }
@@ -401,11 +379,11 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
                 uint32_t pa[kNTiles / 2][4];
                 pack_p<bf16>(pa, s);
                 if (kPP) turn_wait(wg);
-                issue_pv(pa, n_kv - 1);
+                pv_wgmma<bf16, DP, TK>(o, pa, sV((it + n_kv - 1) % S));
                 wg_commit();
                 if (kPP && (!last_wg || more)) hand_on();
                 wg_wait<0>();
-                settle_o();
+                fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
                 mbar_arrive(&free_v[(it + n_kv - 1) % S]);
             }
         } else {
@@ -425,25 +403,20 @@ gqa_ws_kernel(const __grid_constant__ WsMaps maps, const GqaParams p, const Tile
                 uint32_t pa[kNTiles / 2][4];
                 pack_p<bf16>(pa, s);
                 if (kPP) turn_wait(wg);
-                issue_pv(pa, n);
+                pv_wgmma<bf16, DP, TK>(o, pa, sV((it + n) % S));
                 wg_commit();
                 if (kPP && (!last_wg || n + 1 < n_kv || more)) hand_on();
                 wg_wait<0>();
-                settle_o();
+                fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
                 mbar_arrive(&free_v[(it + n) % S]);
             }
         }
 
-        // Epilogue: l across the quad that shares a row (the product's sums are whole already), then
-        // normalise and store column pairs.
+        // Epilogue: l across the quad that shares a row, then normalise and store column pairs.
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            if constexpr (Tr::kRowSumByProduct) {
-                l[r] = lp[2 * r];
-            } else {
-                l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-                l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-            }
+            l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+            l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
         }
         Elem* o_base = static_cast<Elem*>(p.o) + w.b * p.o_stride_b + int64_t(w.kvh) * G * p.o_stride_h;
 #pragma unroll
@@ -490,15 +463,16 @@ inline cudaError_t ws_tensor_map(CUtensorMap* map, const void* data, const GqaPa
                             {64, cuuint32_t(box_heads), cuuint32_t(box_steps), 1});
 }
 
-// Launches the warp-specialised kernel over every tile of kBlockM packed rows (16-byte-aligned rows
-// only), one CTA per SM at most. Returns cudaErrorNotSupported, launching nothing, for K and V
-// layouts no tensor map describes; Q goes through a tensor map when one describes its tiles.
-template <int kDtype, int DP>
-cudaError_t launch_ws(const GqaParams& p, cudaStream_t stream, int dev) {
-    using Tr = WsTraits<DP>;
+// Launches the warp-specialised kernel with kC consumers over every tile of kBlockM packed rows
+// (16-byte-aligned rows only), one CTA per SM at most. Returns cudaErrorNotSupported, launching
+// nothing, for K and V layouts no tensor map describes; Q goes through a tensor map when one
+// describes its tiles.
+template <int kDtype, int DP, int kC>
+cudaError_t launch_ws_with(const GqaParams& p, cudaStream_t stream, int dev) {
+    using Tr = WsTraits<DP, kC>;
     static bool raised[2][kMaxDevices] = {};
-    cudaError_t err = raise_smem_limit(gqa_ws_kernel<kDtype, DP, true>, Tr::kSmemBytes, dev, raised[1]);
-    if (err == cudaSuccess) err = raise_smem_limit(gqa_ws_kernel<kDtype, DP, false>, Tr::kSmemBytes, dev, raised[0]);
+    cudaError_t err = raise_smem_limit(gqa_ws_kernel<kDtype, DP, true, kC>, Tr::kSmemBytes, dev, raised[1]);
+    if (err == cudaSuccess) err = raise_smem_limit(gqa_ws_kernel<kDtype, DP, false, kC>, Tr::kSmemBytes, dev, raised[0]);
     if (err != cudaSuccess) return err;
     const bool bf16 = kDtype == kGqaBFloat16;
     WsMaps maps;
@@ -520,9 +494,18 @@ cudaError_t launch_ws(const GqaParams& p, cudaStream_t stream, int dev) {
     const bool sections = Tr::kL2SectionBytes > 0 && pairs * pair_bytes > 2 * Tr::kL2SectionBytes;
     const int64_t section = sections ? std::min(pairs, std::max<int64_t>(1, Tr::kL2SectionBytes / pair_bytes)) : pairs;
     const bool turns = tiles <= int64_t(Tr::kTurnsUpToRounds) * ctas;
-    auto kernel = turns ? gqa_ws_kernel<kDtype, DP, true> : gqa_ws_kernel<kDtype, DP, false>;
+    auto kernel = turns ? gqa_ws_kernel<kDtype, DP, true, kC> : gqa_ws_kernel<kDtype, DP, false, kC>;
     kernel<<<unsigned(ctas), Tr::kThreads, Tr::kSmemBytes, stream>>>(maps, p, dv, int(tiles), int(section), q_tma ? 1 : 0);
     return cudaGetLastError();
+}
+
+// The plan's consumers (plan.warps: 4 a warpgroup, the producer's included; ws_consumers_for).
+template <int kDtype, int DP>
+cudaError_t launch_ws(const GqaParams& p, const GqaPlan& plan, cudaStream_t stream, int dev) {
+    constexpr int kMost = ws_consumers(DP);
+    if (kMost != 2 && plan.warps == 4 * (1 + kMost)) return launch_ws_with<kDtype, DP, kMost>(p, stream, dev);
+    if (plan.warps != 4 * 3) return cudaErrorInvalidConfiguration;
+    return launch_ws_with<kDtype, DP, 2>(p, stream, dev);
 }
 
 }  // namespace
