@@ -12,6 +12,7 @@ import random
 import re
 import subprocess
 import sys
+import types
 import zlib
 
 import pytest
@@ -393,6 +394,36 @@ def test_bench_backward_rows_are_planned_and_valid():
     assert bench.validate_results_schema(result) == []
     result["rows"] = [dict(row, mode="sideways")]
     assert bench.validate_results_schema(result) != []
+
+
+def test_bench_rounds_give_the_median_and_each_rounds_ratio():
+    """--rounds: a row timed in several rounds keeps each round's ms and their median as its ms; the
+    schema holds ms to that median; the ratio line gives the ratio of each round."""
+    bench = _load_bench()
+    from gqa_bench.report import _ratio_line
+    from gqa_bench.runner import Bench
+
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(get_device_name=lambda: "g"))
+    runs = Bench(fake_torch, rounds=3)
+    shape = (1, 8192, 32, 8, 128)
+    for impl, times in (("project", (1.0, 1.2, 0.9)), ("sdpa_cudnn", (1.1, 1.0, 1.08))):
+        for ms in times:
+            runs.add_row(shape, "bfloat16", impl, "back_to_back", ms, 1e-3)
+    proj, peer = runs.rows
+    assert len(runs.rows) == 2 and proj["rounds"] == [1.0, 1.2, 0.9] and proj["ms"] == 1.0
+    assert peer["ms"] == 1.08 and peer["tflops"] == round(4 * 32 * 8192**2 * 128 / 2 / (1.08 * 1e9), 4)
+    line = _ratio_line([proj, peer])
+    assert "**1.08×**" in line and "round by round 0.83×–1.20× over 3 rounds" in line
+    result = {"gpu": "g", "torch": "t", "cuda": "c", "date": "2026-12-02", "source_sha256": "0" * 64,
+              "compile": {"cold_s": 1.0, "warm_s": 0.1}, "rows": [proj, peer]}
+    assert bench.validate_results_schema(result) == []
+    for bad in (dict(proj, ms=1.2), dict(proj, rounds=[1.0]), dict(proj, rounds=[1.0, "x"])):
+        assert bench.validate_results_schema(dict(result, rows=[bad])) != [], bad
+    single = Bench(fake_torch)
+    single.add_row(shape, "bfloat16", "project", "back_to_back", 1.0, 1e-3)
+    assert "rounds" not in single.rows[0] and "round by round" not in _ratio_line(single.rows + [peer])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--rounds", "0"])
 
 
 def test_committed_results_match_schema_and_current_kernel():

@@ -53,7 +53,12 @@ def parse_args(argv=None):
     p.add_argument("--no-sweep", action="store_true", help="the harness and scale shapes only, no T sweep (about half the time)")
     p.add_argument("--backward", action="store_true",
                    help="also time the backward at the scale shapes (project and the SDPA backends that train)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time the back_to_back and backward rows in this many rounds over a shape's implementations "
+                        "in turn; a row's ms is the median of its rounds (default 1)")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.only:
         names = [s.strip() for s in args.only.split(",") if s.strip()]
         bad = [n for n in names if n not in IMPL_NAMES]
@@ -70,7 +75,7 @@ def main(argv=None) -> int:
     torch = cuda_torch()
     if torch is None:
         return 0
-    bench = Bench(torch)
+    bench = Bench(torch, rounds=args.rounds)
     paths = output_paths(args.out, bench.gpu)
     json_path = paths[0]
     json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -86,7 +91,7 @@ def main(argv=None) -> int:
     result = save()
     partial = [f"partial run: --only {','.join(args.only)}"] if args.only else []
     wall = f"total benchmark wall time {time.perf_counter() - bench.t0:.0f} s"
-    info = {"compile_notes": compile_notes, "extra_notes": partial + bench.impls.notes + [wall],
+    info = {"compile_notes": compile_notes, "extra_notes": partial + bench.impls.notes + [wall], "rounds": args.rounds,
             "do_bench_note": bench.timer.do_bench_note, "sweep_shapes": sweep_shapes}
     write_reports(result, bench.means, info, paths, bench.log)
     print()

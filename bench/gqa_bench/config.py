@@ -11,6 +11,9 @@ BACKWARD_MODE = "backward"
 ALL_MODES = MODES + (BACKWARD_MODE,)
 BACKWARD_FLOP_FACTOR = 2.5
 BACKWARD_IMPLS = ("project", "sdpa_expand_efficient", "sdpa_flash", "sdpa_cudnn")
+# The modes --rounds repeats: every implementation of a shape timed once a round, in turn, so that a
+# drift of the card's clock between implementations reaches them all alike.
+ROUND_MODES = ("back_to_back", BACKWARD_MODE)
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 TOLERANCE = {"float32": 1e-3, "bfloat16": 2e-2, "float16": 2e-2}

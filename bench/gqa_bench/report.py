@@ -52,7 +52,17 @@ def _ratio_line(group_rows) -> str:
         return head + "; project: no timing"
     ratio = peer["ms"] / proj["ms"]
     verdict = "project faster" if ratio > 1 else "peer faster"
-    return head + f"; project {_fmt_ms(proj['ms'])} ms; best-peer/project = **{ratio:.2f}×** ({verdict})"
+    line = head + f"; project {_fmt_ms(proj['ms'])} ms; best-peer/project = **{ratio:.2f}×** ({verdict})"
+    spread = round_ratios(proj, peer)
+    if spread:
+        line += f"; round by round {min(spread):.2f}×–{max(spread):.2f}× over {len(spread)} rounds"
+    return line
+
+
+def round_ratios(proj, peer):
+    """peer ms / project ms of each round both rows were timed in (rows of --rounds), else []."""
+    a, b = proj.get("rounds") or [], peer.get("rounds") or []
+    return [y / x for x, y in zip(a, b) if x > 0] if len(a) == len(b) > 1 else []
 
 
 # --------------------------------------------------------------------------
@@ -158,12 +168,14 @@ def _results(groups, means: dict, brief: bool) -> list:
             out.append("| impl | ms (median) | ms (mean) | TFLOP/s | rel_err | error |")
             out.append("|---|---:|---:|---:|---:|---|")
         else:
-            out.append("| impl | ms (median) | TFLOP/s | rel_err | error |")
-            out.append("|---|---:|---:|---:|---|")
+            out.append("| impl | ms (median) | rounds (ms) | TFLOP/s | rel_err | error |")
+            out.append("|---|---:|---:|---:|---:|---|")
         for r in g:
             cells = [r["impl"], _fmt_ms(r["ms"])]
             if harness:
                 cells.append(_fmt_ms(means.get((tuple(shape), dtype_name, r["impl"], mode))))
+            else:
+                cells.append(", ".join(_fmt_ms(x) for x in r.get("rounds") or []) or "—")
             cells += [_fmt_tf(r["tflops"]), _fmt_rel(r["rel_err"]), _md_cell(r["error"])]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
@@ -188,6 +200,9 @@ def _method(info: dict) -> list:
         f"- backward: forward + backward (inputs that require grad, a fixed output gradient) minus the forward, "
         f"medians by the back_to_back method; TFLOP/s count {config.BACKWARD_FLOP_FACTOR:g}x the forward's FLOPs; rel_err is "
         "left empty (gradients are checked by the tests, not by the benchmark).",
+        f"- back_to_back and backward in {info.get('rounds', 1)} round(s): each round times every implementation of the "
+        "shape once, in turn; with more than one, a row's ms is the median of its rounds' medians, and the ratio line "
+        "gives the ratio of each round.",
         f"- graph: {config.GRAPH_CALLS} calls captured in one CUDA graph after side-stream warm-up; median of "
         f"{config.GRAPH_REPLAYS} timed replays divided by {config.GRAPH_CALLS} (reference_loops: {config.LOOPS_GRAPH_CALLS} calls, "
         f"{config.LOOPS_GRAPH_REPLAYS} replays). No L2 flush between calls.",

@@ -4,12 +4,13 @@ import datetime
 import gc
 import importlib
 import math
+import statistics
 import sys
 import time
 import warnings
 
 from .check import check, reference_for
-from .config import BACKWARD_FLOP_FACTOR, BACKWARD_IMPLS, BACKWARD_MODE, MEMORY_FRACTION, REPO_ROOT
+from .config import BACKWARD_FLOP_FACTOR, BACKWARD_IMPLS, BACKWARD_MODE, MEMORY_FRACTION, REPO_ROOT, ROUND_MODES
 from .errors import format_error
 from .impls import HARNESS_ONLY, Implementations, estimate_bytes, materialises_scores
 from .schema import COMPILE_KEYS
@@ -65,7 +66,7 @@ def _import_project():
 class Bench:
     """The rows of one run, and what measuring them needs."""
 
-    def __init__(self, torch):
+    def __init__(self, torch, rounds=1):
         warnings.filterwarnings("ignore", category=UserWarning)
         warnings.filterwarnings("ignore", category=FutureWarning)
         self.torch = torch
@@ -74,6 +75,8 @@ class Bench:
         self.rows: list[dict] = []
         self.row_index: dict = {}
         self.means: dict = {}  # harness-mode means, md only
+        self.rounds = rounds  # rounds of the ROUND_MODES rows (run_config)
+        self.round_ms: dict = {}  # each round's ms by row key
         self.current_inputs = None
         self.gqa_module = None
         self.reference = None
@@ -164,6 +167,12 @@ class Bench:
             return f"unknown ({format_error(e)[:80]})"
 
     def add_row(self, shape, dtype_name, impl, mode, ms=None, rel_err=None, error=None, mean=None):
+        key = (tuple(shape), dtype_name, impl, mode)
+        rounds = None
+        if ms is not None:
+            rounds = self.round_ms.setdefault(key, [])
+            rounds.append(round(float(ms), 6))
+            ms = statistics.median(rounds)
         tflops = None
         if ms is not None and ms > 0:
             factor = BACKWARD_FLOP_FACTOR if mode == BACKWARD_MODE else 1.0
@@ -180,7 +189,8 @@ class Bench:
             "error": error,
             "plan": self.plan_of(impl, mode),
         }
-        key = (tuple(shape), dtype_name, impl, mode)
+        if rounds is not None and len(rounds) > 1:
+            row["rounds"] = list(rounds)
         if key in self.row_index:
             self.rows[self.row_index[key]] = row
         else:
@@ -221,9 +231,19 @@ class Bench:
         self.current_inputs = (q, k, v)
         for name in impls:
             self.run_impl(name, shape, dtype_name, modes, (q, k, v), ref, ref_rows)
+        # Later rounds: the ROUND_MODES rows again, every implementation in turn, those that timed.
+        again = [m for m in modes if m in ROUND_MODES]
+        for _ in range(1, self.rounds if again else 1):
+            for name in impls:
+                timed = [m for m in again if self._has_time((tuple(shape), dtype_name, name, m))]
+                if timed:
+                    self.run_impl(name, shape, dtype_name, timed, (q, k, v), ref, ref_rows)
         self.current_inputs = None
         del q, k, v, ref
         self.cleanup()
+
+    def _has_time(self, key) -> bool:
+        return key in self.row_index and self.rows[self.row_index[key]]["ms"] is not None
 
     def run_impl(self, name, shape, dtype_name, modes, args, ref, ref_rows):
         modes = [m for m in modes if m != BACKWARD_MODE or name in BACKWARD_IMPLS]

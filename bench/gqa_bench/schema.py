@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import statistics
 
 from .config import ALL_MODES, DTYPE_NAMES
 from .impls import IMPL_NAMES
@@ -14,15 +15,17 @@ from .impls import IMPL_NAMES
 TOP_KEYS = ("gpu", "torch", "cuda", "date", "source_sha256", "compile", "rows")
 COMPILE_KEYS = ("cold_s", "warm_s")
 ROW_KEYS = ("shape", "dtype", "impl", "mode", "ms", "tflops", "rel_err", "error", "plan")
+# Only on rows timed in more than one round (--rounds): each round's ms, in order; ms is their median.
+OPTIONAL_ROW_KEYS = ("rounds",)
 
 
 def is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _check_keys(obj: dict, expected, where: str, problems: list) -> None:
+def _check_keys(obj: dict, expected, where: str, problems: list, optional=()) -> None:
     missing = [k for k in expected if k not in obj]
-    extra = sorted(str(k) for k in obj if k not in expected)
+    extra = sorted(str(k) for k in obj if k not in expected and k not in optional)
     if missing:
         problems.append(f"{where}: missing keys {missing}")
     if extra:
@@ -30,7 +33,13 @@ def _check_keys(obj: dict, expected, where: str, problems: list) -> None:
 
 
 def _check_row(row: dict, where: str, problems: list) -> None:
-    _check_keys(row, ROW_KEYS, where, problems)
+    _check_keys(row, ROW_KEYS, where, problems, OPTIONAL_ROW_KEYS)
+    if "rounds" in row:
+        rounds = row["rounds"]
+        if not (isinstance(rounds, list) and len(rounds) > 1 and all(is_number(x) and x >= 0 for x in rounds)):
+            problems.append(f"{where}.rounds: expected a list of two or more non-negative numbers, got {rounds!r}")
+        elif is_number(row.get("ms")) and not math.isclose(row["ms"], statistics.median(rounds), rel_tol=1e-6):
+            problems.append(f"{where}.ms: {row['ms']!r} is not the median of its rounds {rounds!r}")
     shape = row.get("shape")
     if "shape" in row and not (
         isinstance(shape, (list, tuple))
