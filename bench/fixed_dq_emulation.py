@@ -16,10 +16,12 @@ import torch
 KEYS = 128  # keys a fused CTA (a share)
 
 
-def bits_exp_above(x: torch.Tensor, bf16: bool) -> int:
-    """The kernel's E with every value of x (16-bit) below 2^E, from the largest magnitude's bits."""
-    bits = int(x.abs().view(torch.int16).max().item()) & 0x7FFF
-    return max(bits >> 7, 1) - 126 if bf16 else max(bits >> 10, 1) - 14
+def bits_exp_above(x: torch.Tensor, bf16: bool, dim=None) -> torch.Tensor:
+    """The kernel's E with every value of x (16-bit) below 2^E, from the largest magnitude's bits
+    (over all of x, or along dim)."""
+    bits = x.view(torch.int16).to(torch.int32) & 0x7FFF
+    bits = bits.amax() if dim is None else bits.amax(dim)
+    return (bits >> 7).clamp(min=1) - 126 if bf16 else (bits >> 10).clamp(min=1) - 14
 
 
 def share_log2(T: int) -> int:
@@ -46,16 +48,11 @@ def model(q, k, v, do, bf16=True):
     k_e, v_e = bits_exp_above(k, bf16), bits_exp_above(v, bf16)
     L = share_log2(T)
     limit = 2.0 ** (62 - L)
-    sums = torch.zeros(G, T, D, dtype=torch.float64)
     fp32_sum = torch.zeros(G, T, D, dtype=torch.float32)
-    ints = [[[0] * D for _ in range(T)] for _ in range(G)]
+    ints = torch.zeros(G, T, D, dtype=torch.int64)  # exact: every share stays below the limit, the sum below 2^62
     worst = 0.0
-    exps = torch.zeros(G, T, dtype=torch.int64)
-    for g in range(G):
-        for t in range(T):
-            do_e = bits_exp_above(do[t, g], bf16)
-            above = k_e + v_e + do_e + (D - 1).bit_length() + 2
-            exps[g, t] = min(max(62 - L - above, -252), 252)
+    above = k_e + v_e + bits_exp_above(do, bf16, dim=-1).T + (D - 1).bit_length() + 2  # [G, T]
+    exps = (62 - L - above).clamp(-252, 252)
     for j0 in range(0, T, KEYS):
         share = torch.einsum("gtj,jd->gtd", ds[:, :, j0:j0 + KEYS], k[j0:j0 + KEYS].float())  # fp32 products
         fp32_sum += share
@@ -63,15 +60,8 @@ def model(q, k, v, do, bf16=True):
         worst = max(worst, float(scaled.abs().max()) / limit)
         if not worst < 1:  # the kernel flags the call: the row-wise kernels take it
             return {"flagged": True, "share_over_limit": worst}
-        r = torch.round(scaled)  # __float2ll_rn (ties to even; the model's round is the same)
-        for g in range(G):
-            for t in range(T):
-                row = ints[g][t]
-                for d, x in enumerate(r[g, t].tolist()):
-                    row[d] += int(x)
-    for g in range(G):
-        for t in range(T):
-            sums[g, t] = torch.tensor([float(x) for x in ints[g][t]], dtype=torch.float64) * 2.0 ** (-int(exps[g, t]))
+        ints += torch.round(scaled).to(torch.int64)  # __float2ll_rn (ties to even, as torch.round)
+    sums = ints.double() * torch.pow(2.0, -exps.double())[..., None]  # __ll2double_rn, then 2^-e
     fixed = (sums.permute(1, 0, 2) * scale)
     fp32 = (fp32_sum.double().permute(1, 0, 2) * scale)
 
