@@ -36,6 +36,7 @@ VARIANTS = {
     "fused_backward": [FUSED],
     "atomic_dq_add": [FUSED, (DQ_ADD[0], DQ_ADD[1], "kDqAdd = DqAdd::kRed;")],
     "writer_dq_add": [FUSED, (DQ_ADD[0], DQ_ADD[1], "kDqAdd = DqAdd::kWriter;")],
+    "pipelined_backward": [FUSED, (DQ_ADD[0], "kPipelined = false;", "kPipelined = true;")],
     "rowwise_backward_at_256": [("kernels/attention.cu", "kWgAt256 = true;", "kWgAt256 = false;")],
     "not_persistent": [(WS, "kPersistent = true;", "kPersistent = false;")],
     "round_robin_walk": [(WS, "((k & 1) ? G - 1 - c : c)", "c")],
@@ -75,7 +76,8 @@ VARIANTS = {
     "l2_sections_40mb": [(WS, "kL2SectionBytes = int64_t(24) << 20;", "kL2SectionBytes = int64_t(40) << 20;")],
     "l2_sections_always": [(WS, "pairs * pair_bytes > 2 * Tr::kL2SectionBytes;", "true;")],
 }
-BACKWARD_SHAPES = [(4, 1024, 32, 8, 128), (1, 8192, 32, 8, 128), (16, 2048, 32, 8, 64), (1, 2048, 16, 4, 256)]
+BACKWARD_SHAPES = [(4, 1024, 32, 8, 128), (1, 8192, 32, 8, 128), (16, 2048, 32, 8, 64), (1, 32768, 32, 8, 128),
+                   (1, 2048, 16, 4, 256)]
 # --dtype fp32: the fp32 backward alone, at the shapes of its bar, its error on a long slice.
 FP32_BACKWARD_SHAPES = [(4, 1024, 32, 8, 128), (1, 8192, 32, 8, 128), (16, 2048, 32, 8, 64)]
 
@@ -183,6 +185,7 @@ def main():
     parser.add_argument("--only", help="comma-separated variant names")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
                         help="fp32: the fp32 backward alone (FP32_BACKWARD_SHAPES), no forward rows")
+    parser.add_argument("--backward-only", action="store_true", help="bf16: the backward rows alone, no forward rows")
     parser.add_argument("--timeout", type=int, default=300,
                         help="seconds for the builds (all variants at once), then for each variant's timing")
     args = parser.parse_args()
@@ -194,6 +197,8 @@ def main():
     copies = {name: make_copy(name, VARIANTS[name], root) for name in names}   # every edit checked first
     results = {}
     shapes, bwd_shapes = (SHAPES, BACKWARD_SHAPES) if args.dtype == "bf16" else ([], FP32_BACKWARD_SHAPES)
+    if args.backward_only:
+        shapes = []
     dtype, slice_t = ("bfloat16", "333") if args.dtype == "bf16" else ("float32", "4097")
     warm = {name: subprocess.Popen([sys.executable, "-c", WARM, json.dumps(shapes), json.dumps(bwd_shapes), dtype],
                                    cwd=copies[name], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

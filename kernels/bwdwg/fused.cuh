@@ -18,6 +18,7 @@
 #define GQA_BWDWG_FUSED_CUH
 
 #include "bwdmma/kernels.cuh"
+#include "common/tma.cuh"
 
 namespace {
 
@@ -38,7 +39,13 @@ template <int DP> struct FusedTraits {
     // turn or not, measured slower: bench/NOTES.md v53, v54.)
     enum class DqAdd { kTurn, kRed, kWriter };
     static constexpr DqAdd kDqAdd = DqAdd::kTurn;
-    static constexpr bool kWriter = kDqAdd == DqAdd::kWriter;
+    // The pipelined step (gqa_bwd_pipe_kernel, bench/NOTES.md v91): a producer warp loads each
+    // step's Q, dO and statistics into a ring of two stages, dS^T has two buffers, and each
+    // warpgroup issues the next step's S^T and dP^T before it waits for this step's dQ share, which
+    // the writer warp adds in turn (kWriter's hand-over). At width 64 the warpgroups take the dQ
+    // products in turn, a step each.
+    static constexpr bool kPipelined = false;
+    static constexpr bool kWriter = kPipelined || kDqAdd == DqAdd::kWriter;
     static constexpr int kMmaThreads = 256;                          // the two warpgroups of products
     static constexpr int kThreads = kMmaThreads + (kWriter ? 128 : 0);
     static constexpr int kMmaRegs = 240, kWriterRegs = 24;           // kWriter: setmaxnreg
@@ -48,8 +55,8 @@ template <int DP> struct FusedTraits {
     // K, V, two stages of (Q, dO), dS^T, two stages of (lse2, delta), then kWriter's buffers; 1024
     // of alignment slack.
     static constexpr int kBufferBytes = kAdders * 2 * kPieceFloats * 4;
-    static constexpr int kSmem = 1024 + 2 * (2 * kKvHalves + 4 * kRowHalves + kDsHalves) + 2 * 2 * kRows * 4 +
-                                 (kWriter ? kBufferBytes : 0);
+    static constexpr int kSmem = 1024 + 2 * (2 * kKvHalves + 4 * kRowHalves + (kPipelined ? 2 : 1) * kDsHalves) +
+                                 2 * 2 * kRows * 4 + (kWriter ? kBufferBytes : 0);
     static_assert(kSmem <= 227 * 1024, "one CTA's shared memory");
 };
 
@@ -350,6 +357,238 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
     }
 }
 
+// FusedTraits::kPipelined's kernel: the products of gqa_bwd_fused_kernel's step, reordered so
+// that the tensor pipe always holds issued work. Warpgroups 0 and 1 take 64 keys each; warpgroup 2
+// gives its registers to them and keeps two warps: the writer (warp 8, as kWriter's) and the
+// producer (warp 9), which loads step i's Q, dO, lse2 and delta into stage i % 2 once both
+// warpgroups have finished step i - 2's reads of it (empty_bar). A warpgroup's step i:
+//   wait S^T(i); P^T; issue dV(i) | wait dP^T(i); dS^T; issue dK(i) | dS^T(i) to buffer i % 2,
+//   barrier of the two warpgroups | issue dQ(i) | wait dV(i), dK(i): stage free | wait for step
+//   i + 1's stage, issue S^T(i + 1) | wait dQ(i), hand it to the writer | issue dP^T(i + 1).
+// The barrier of step i also tells each warpgroup that the other has finished dQ(i - 2), so dS^T
+// buffer i % 2 is free when step i writes it.
+template <class Pol>
+__global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
+    gqa_bwd_pipe_kernel(const GqaBwdParams p, const __grid_constant__ typename Pol::Maps maps) {
+    constexpr bool kBf16 = Pol::kBf16;
+    constexpr int DP = Pol::DP;
+    using Tr = FusedTraits<DP>;
+    static_assert(Tr::kPipelined && Tr::kWriter && Pol::kTma, "the pipelined step's layout");
+    if (*p.nonfinite) return;   // the row-wise kernels take this call
+    extern __shared__ __align__(16) unsigned char fused_smem[];
+    const uint32_t misaligned = static_cast<uint32_t>(__cvta_generic_to_shared(fused_smem)) & 1023u;
+    uint16_t* sK = reinterpret_cast<uint16_t*>(fused_smem + ((1024u - misaligned) & 1023u));
+    uint16_t* sV = sK + Tr::kKvHalves;
+    auto sQ = [&](int st) { return sV + Tr::kKvHalves + st * 2 * Tr::kRowHalves; };
+    auto sdO = [&](int st) { return sQ(st) + Tr::kRowHalves; };
+    auto sdS = [&](int j) { return sQ(2) + j * Tr::kDsHalves; };   // dS^T: [128 keys][64 query rows], swizzled
+    auto lse2_s = [&](int st) { return reinterpret_cast<float*>(sdS(2)) + st * 2 * Tr::kRows; };
+    auto delta_s = [&](int st) { return lse2_s(st) + Tr::kRows; };
+    float* held = delta_s(1) + Tr::kRows;   // the writer's buffers: [kAdders][2][4096]
+
+    const int64_t bh_count = int64_t(p.B) * p.Hkv;
+    const int kt = int(blockIdx.x / bh_count), bh = int(blockIdx.x % bh_count);
+    const int64_t b = bh / p.Hkv;
+    const int kvh = bh % p.Hkv, k0 = kt * Tr::kKeys, G = p.group, T = p.T;
+    const int n_q = (T + Tr::kRows - 1) / Tr::kRows;
+    const int steps = (n_q - 2 * kt) * G;   // query tiles 2 kt .. n_q - 1 see a key of this CTA
+    // The warp's index from lane 0, so that the compiler knows it to be the same across the warp
+    // (and branches on it not divergent around the products).
+    const int warp = __shfl_sync(0xffffffffu, int(threadIdx.x) / 32, 0), lane = threadIdx.x % 32, wg = warp / 4, cw = warp % 4;
+    const int gid = lane >> 2, tig = lane & 3;
+    auto step_tile = [&](int i) { return n_q - 1 - i / G; };
+    auto step_head = [&](int i) { return kvh * G + i % G; };
+    // full_bar[st]: the stage's copies landed (phase k: step st + 2 k); empty_bar[st]: the eight
+    // product warps have finished their reads of it.
+    __shared__ uint64_t full_bar[2], empty_bar[2];
+    if (threadIdx.x == 0) {
+        for (int st = 0; st < 2; ++st) mbar_init(&full_bar[st], 1), mbar_init(&empty_bar[st], 8);
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (wg == 2) {
+        regs_dec<Tr::kWriterRegs>();
+        if (warp == 9) {   // the producer
+            if (lane == 0)
+                for (int i = 0; i < steps; ++i) {
+                    const int st = i & 1, q0 = step_tile(i) * Tr::kRows, h = step_head(i);
+                    if (i >= 2) mbar_wait(&empty_bar[st], uint32_t(((i - 2) >> 1) & 1));
+                    const int64_t stat = bwd_stat_row(b, h, q0, p);
+                    Pol::load_step(maps, sQ(st), sdO(st), lse2_s(st), delta_s(st), p.lse2 + stat, p.delta + stat,
+                                   &full_bar[st], b, q0, h);
+                }
+            return;
+        }
+        if (warp != 8) return;
+        for (int i = 0; i < steps; ++i) {   // the writer: step i's shares, in turn
+            const int qi = step_tile(i), h = step_head(i), j = i & 1;
+            int* order = p.dq_order + (b * p.Hq + h) * n_q + qi;
+            float* block = p.dq_accum + ((b * p.Hq + h) * n_q + qi) * int64_t(64 * DP);
+            if (lane == 0) {
+                while (load_acquire(order) < Tr::kAdders * kt) {
+                }
+                fence_async_global();
+            }
+            __syncwarp();
+            for (int c = 0; c < Tr::kAdders; ++c) {
+                named_sync(dq_full_id(c, j), kHandOver);
+                if (lane == 0) {
+                    bulk_reduce_add(block + c * Tr::kPieceFloats, held + (2 * c + j) * Tr::kPieceFloats, Tr::kPieceFloats * 4);
+                    bulk_commit();
+                }
+            }
+            if (lane == 0) {
+                bulk_wait<0>();
+                fence_async_global();
+                add_release(order, Tr::kAdders);
+            }
+            __syncwarp();
+            if (i + 2 < steps)
+                for (int c = 0; c < Tr::kAdders; ++c) named_arrive(dq_empty_id(c, j), kHandOver);
+        }
+        return;
+    }
+    regs_inc<Tr::kMmaRegs>();
+
+    const int kw0 = k0 + 64 * wg;   // this warpgroup's first key
+    const bool bf16 = kBf16;
+    swizzled_load<DP, 128, 256>(sK, static_cast<const uint16_t*>(p.k), b, k0, kvh, p.Hkv, T);
+    swizzled_load<DP, 128, 256>(sV, static_cast<const uint16_t*>(p.v), b, k0, kvh, p.Hkv, T);
+    cp_async_commit();
+    cp_async_wait<0>();
+    fence_async_proxy();
+    named_sync(1, Tr::kMmaThreads);
+
+    // Step i's dQ: at width 128 both warpgroups, 64 columns each; at width 64 warpgroup i % 2.
+    auto dq_here = [&](int i) { return DP == 128 || (i & 1) == wg; };
+    const int cb = DP == 128 ? wg : 0;
+    const int wt = threadIdx.x % 128;
+    float s[8][4], dp[8][4];
+    auto issue_s = [&](int i) {
+        const int st = i & 1;
+        mbar_wait(&full_bar[st], uint32_t((i >> 1) & 1));
+        qk_wgmma<kBf16, DP, 128, 64>(s, sK, 64 * wg, sQ(st));    // S^T of this warpgroup's keys
+        wg_commit();
+    };
+    auto issue_dp = [&](int i) {
+        qk_wgmma<kBf16, DP, 128, 64>(dp, sV, 64 * wg, sdO(i & 1));  // dP^T
+        wg_commit();
+    };
+    float dk[DP / 8][4] = {}, dv[DP / 8][4] = {};
+    float dq[8][4];
+    // dV(i) and dK(i) have completed: this warp's reads of stage st are done.
+    auto release = [&](int st) {
+        fence_regs(reinterpret_cast<float(&)[DP / 2]>(dv));
+        fence_regs(reinterpret_cast<float(&)[DP / 2]>(dk));
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&empty_bar[st]);
+    };
+    // Step i's share, complete, to the writer through buffer i % 2 of this warpgroup's columns.
+    auto hand_dq = [&](int i) {
+        const int j = i & 1;
+        fence_regs(reinterpret_cast<float(&)[32]>(dq));
+        float* buffer = held + (cb * 2 + j) * Tr::kPieceFloats;
+        if (i >= 2) named_sync(dq_empty_id(cb, j), kHandOver);
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+            reinterpret_cast<float4*>(buffer)[128 * n + wt] = make_float4(dq[n][0], dq[n][1], dq[n][2], dq[n][3]);
+        fence_async_proxy();
+        named_arrive(dq_full_id(cb, j), kHandOver);
+    };
+    for (int i = 0; i < steps; ++i) {
+        const int st = i & 1, j = i & 1, q0 = step_tile(i) * Tr::kRows;
+        issue_s(i);
+        issue_dp(i);
+        const float* lse2_t = lse2_s(st);
+        const float* delta_t = delta_s(st);
+        const bool edge = q0 < kw0 + 64 || q0 + Tr::kRows > T || kw0 + 64 > T;
+        const int j_base = kw0 + 16 * cw;
+        float column[kTile / 8][2];
+        read_columns<Pol::kPairedStats>(column, lse2_t, lane);
+        wg_wait<1>();   // S^T(i); dP^T(i) still running
+        fence_regs(reinterpret_cast<float(&)[32]>(s));
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[n][e] = fast_exp2(s[n][e] * p.scale_log2 - column[n][e & 1]);
+        if (edge) {
+#pragma unroll
+            for (int n = 0; n < 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int jk = j_base + frag_row(lane, e), t = q0 + frag_col(lane, n, e);
+                    if (t < jk || t >= T || jk >= T) s[n][e] = 0.f;   // P^T
+                }
+        }
+        uint32_t pa[4][4], pa2[4][4];
+        pack_p<kBf16>(pa, s);
+        pv_wgmma<kBf16, DP, 64>(dv, pa, sdO(st));   // dV += P^T dO
+        wg_commit();
+        read_columns<Pol::kPairedStats>(column, delta_t, lane);
+        wg_wait<1>();   // dP^T(i); dV(i) still running
+        fence_regs(reinterpret_cast<float(&)[32]>(dp));
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - column[n][e & 1]);   // dS^T
+        pack_p<kBf16>(pa2, dp);
+        pv_wgmma<kBf16, DP, 64>(dk, pa2, sQ(st));   // dK += dS^T Q
+        wg_commit();
+        {   // dS^T into buffer j: row = key (this warp's 16 of the CTA's 128), column = query row
+            unsigned char* ds = reinterpret_cast<unsigned char*>(sdS(j));
+            const int r0 = 64 * wg + 16 * cw + gid;
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) {
+                const int c0 = 16 * ks + 2 * tig;
+                *reinterpret_cast<uint32_t*>(ds + sw128_offset(r0, c0, 128)) = pa2[ks][0];
+                *reinterpret_cast<uint32_t*>(ds + sw128_offset(r0 + 8, c0, 128)) = pa2[ks][1];
+                *reinterpret_cast<uint32_t*>(ds + sw128_offset(r0, c0 + 8, 128)) = pa2[ks][2];
+                *reinterpret_cast<uint32_t*>(ds + sw128_offset(r0 + 8, c0 + 8, 128)) = pa2[ks][3];
+            }
+        }
+        fence_async_proxy();
+        named_sync(1, Tr::kMmaThreads);   // both warpgroups' dS^T(i); both finished dQ(i - 2)
+        const bool mine = dq_here(i);
+        if (mine) {   // dQ's share: 64 query rows x columns 64 cb .. + 63, over the 128 keys
+            const unsigned char* a = reinterpret_cast<const unsigned char*>(sdS(j));
+            const unsigned char* kb = reinterpret_cast<const unsigned char*>(sK) + cb * 128 * 128;
+            const uint64_t ad = wg_desc(a, 128 * 128, 1024), kd = wg_desc(kb, 128 * 128, 1024);
+            wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < 8; ++ks)
+                wgmma_ss_n64<kBf16, 1, 1>(reinterpret_cast<float(&)[32]>(dq), wg_desc_at(ad, ks * 16 * 128),
+                                          wg_desc_at(kd, ks * 16 * 128), ks > 0);
+            wg_commit();
+            wg_wait<1>();   // dV(i) and dK(i); dQ(i) still running
+            release(st);
+            wg_wait<0>();
+            hand_dq(i);
+        } else {
+            wg_wait<0>();
+            release(st);
+        }
+    }
+    wg_wait<0>();   // (nothing runs here; the compiler cannot tell that steps > 0)
+    fence_regs(reinterpret_cast<float(&)[DP / 2]>(dv));
+    fence_regs(reinterpret_cast<float(&)[DP / 2]>(dk));
+
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int jk = kw0 + 16 * cw + frag_row(lane, 2 * half);
+        if (jk >= T) continue;
+        const int64_t row = (b * T + jk) * p.Hkv + kvh;
+        uint16_t* dk_out = static_cast<uint16_t*>(p.dk) + row * DP;
+        uint16_t* dv_out = static_cast<uint16_t*>(p.dv) + row * DP;
+#pragma unroll
+        for (int n = 0; n < DP / 8; ++n) {
+            const int c = frag_col(lane, n, 2 * half);
+            store_pair(dk_out + c, dk[n][2 * half] * p.scale, dk[n][2 * half + 1] * p.scale, bf16);
+            store_pair(dv_out + c, dv[n][2 * half], dv[n][2 * half + 1], bf16);
+        }
+    }
+}
+
 // dQ = the fp32 sum times 1 / sqrt(D), in the input dtype: a thread a float4 of the blocks (two
 // columns of two rows, 8 apart), read in order and written back to [B, T, Hq, DP]; rows past T
 // are left.
@@ -384,14 +623,24 @@ cudaError_t fused_launch(const GqaBwdParams& p, cudaStream_t stream, int dev) {
     const int64_t stats_ctas = (q_tiles + Pol::kRowGroups - 1) / Pol::kRowGroups * p.B * p.Hq, fused_ctas = key_tiles * p.B * p.Hkv;
     if (stats_ctas > 0x7fffffff || fused_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
     cudaError_t err = raise_smem_limit(gqa_bwd_dq_kernel<Pol, true>, BwdSmem<Pol>::kDq, dev, raised_stats);
-    if (err == cudaSuccess) err = raise_smem_limit(gqa_bwd_fused_kernel<Pol>, Tr::kSmem, dev, raised_fused);
+    if (err == cudaSuccess) {
+        if constexpr (Tr::kPipelined) {
+            err = raise_smem_limit(gqa_bwd_pipe_kernel<Pol>, Tr::kSmem, dev, raised_fused);
+        } else {
+            err = raise_smem_limit(gqa_bwd_fused_kernel<Pol>, Tr::kSmem, dev, raised_fused);
+        }
+    }
     typename Pol::Maps maps;
     if (err == cudaSuccess) err = Pol::make_maps(p, &maps);
     if (err == cudaSuccess)
         err = cudaMemsetAsync(p.dq_accum, 0, gqa_fused_dq_floats(p) * sizeof(float), stream);
     if (err != cudaSuccess) return err;
     gqa_bwd_dq_kernel<Pol, true><<<unsigned(stats_ctas), kThreads * Pol::kRowGroups, BwdSmem<Pol>::kDq, stream>>>(p, maps);
-    gqa_bwd_fused_kernel<Pol><<<unsigned(fused_ctas), Tr::kThreads, Tr::kSmem, stream>>>(p, maps);
+    if constexpr (Tr::kPipelined) {
+        gqa_bwd_pipe_kernel<Pol><<<unsigned(fused_ctas), Tr::kThreads, Tr::kSmem, stream>>>(p, maps);
+    } else {
+        gqa_bwd_fused_kernel<Pol><<<unsigned(fused_ctas), Tr::kThreads, Tr::kSmem, stream>>>(p, maps);
+    }
     const int64_t quads = int64_t(p.B) * p.Hq * ((p.T + 63) / 64) * 16 * DP;
     const int64_t blocks = (quads + 255) / 256 < 4096 ? (quads + 255) / 256 : 4096;
     gqa_bwd_dq_store_kernel<kBf16, DP><<<unsigned(blocks), 256, 0, stream>>>(p, quads);
