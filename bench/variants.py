@@ -24,6 +24,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WS = "kernels/ws/kernel.cuh"
 FUSED = ("kernels/gqa_params.h", "kGqaFusedBackward = false;", "kGqaFusedBackward = true;")
 DQ_ADD = ("kernels/bwdwg/fused.cuh", "kDqAdd = DqAdd::kTurn;")   # the fused kernel's dQ add (FusedTraits)
+PIPELINED = (DQ_ADD[0], "kPipelined = false;", "kPipelined = true;")
 X3 = "kernels/bwdx3/bwdx3.cu"
 BWD = "kernels/bwdmma/kernels.cuh"   # the two wgmma/mma.sync backward kernels
 BWD_CP_ASYNC = ("kernels/bwdwg/bwdwg.cu", "static constexpr bool kTma = true;", "static constexpr bool kTma = false;")
@@ -36,7 +37,9 @@ VARIANTS = {
     "fused_backward": [FUSED],
     "atomic_dq_add": [FUSED, (DQ_ADD[0], DQ_ADD[1], "kDqAdd = DqAdd::kRed;")],
     "writer_dq_add": [FUSED, (DQ_ADD[0], DQ_ADD[1], "kDqAdd = DqAdd::kWriter;")],
-    "pipelined_backward": [FUSED, (DQ_ADD[0], "kPipelined = false;", "kPipelined = true;")],
+    "pipelined_backward": [FUSED, PIPELINED],
+    "pipelined_no_turns": [FUSED, PIPELINED, (DQ_ADD[0], "kWriterTurns = true,", "kWriterTurns = false,")],
+    "pipelined_no_dq_adds": [FUSED, PIPELINED, (DQ_ADD[0], "kHandOverDq = true;", "kHandOverDq = false;")],
     "rowwise_backward_at_256": [("kernels/attention.cu", "kWgAt256 = true;", "kWgAt256 = false;")],
     "not_persistent": [(WS, "kPersistent = true;", "kPersistent = false;")],
     "round_robin_walk": [(WS, "((k & 1) ? G - 1 - c : c)", "c")],
@@ -76,8 +79,8 @@ VARIANTS = {
     "l2_sections_40mb": [(WS, "kL2SectionBytes = int64_t(24) << 20;", "kL2SectionBytes = int64_t(40) << 20;")],
     "l2_sections_always": [(WS, "pairs * pair_bytes > 2 * Tr::kL2SectionBytes;", "true;")],
 }
-BACKWARD_SHAPES = [(4, 1024, 32, 8, 128), (1, 8192, 32, 8, 128), (16, 2048, 32, 8, 64), (1, 32768, 32, 8, 128),
-                   (1, 2048, 16, 4, 256)]
+BACKWARD_SHAPES = [(4, 1024, 32, 8, 128), (1, 8192, 32, 8, 128), (16, 2048, 32, 8, 64), (1, 16384, 32, 8, 128),
+                   (1, 32768, 32, 8, 128), (1, 2048, 16, 4, 256)]
 # --dtype fp32: the fp32 backward alone, at the shapes of its bar, its error on a long slice.
 FP32_BACKWARD_SHAPES = [(4, 1024, 32, 8, 128), (1, 8192, 32, 8, 128), (16, 2048, 32, 8, 64)]
 

@@ -45,6 +45,10 @@ template <int DP> struct FusedTraits {
     // the writer warp adds in turn (kWriter's hand-over). At width 64 the warpgroups take the dQ
     // products in turn, a step each.
     static constexpr bool kPipelined = false;
+    // Instruments of the pipelined kernel, both true in use. kWriterTurns false: the writer adds
+    // without waiting for the turn (not deterministic). kHandOverDq false: the dQ shares are
+    // dropped (dQ is wrong), which leaves the products' own schedule.
+    static constexpr bool kWriterTurns = true, kHandOverDq = true;
     static constexpr bool kWriter = kPipelined || kDqAdd == DqAdd::kWriter;
     static constexpr int kMmaThreads = 256;                          // the two warpgroups of products
     static constexpr int kThreads = kMmaThreads + (kWriter ? 128 : 0);
@@ -398,11 +402,12 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
     const int gid = lane >> 2, tig = lane & 3;
     auto step_tile = [&](int i) { return n_q - 1 - i / G; };
     auto step_head = [&](int i) { return kvh * G + i % G; };
-    // full_bar[st]: the stage's copies landed (phase k: step st + 2 k); empty_bar[st]: the eight
-    // product warps have finished their reads of it.
+    // full_bar[st]: the stage's copies landed (phase k: step st + 2 k); empty_bar[st]: the product
+    // threads have finished their reads of it (every thread arrives, after its own reads of the
+    // statistics, so that the order of those reads before the next copy is plain).
     __shared__ uint64_t full_bar[2], empty_bar[2];
     if (threadIdx.x == 0) {
-        for (int st = 0; st < 2; ++st) mbar_init(&full_bar[st], 1), mbar_init(&empty_bar[st], 8);
+        for (int st = 0; st < 2; ++st) mbar_init(&full_bar[st], 1), mbar_init(&empty_bar[st], Tr::kMmaThreads);
         mbar_init_fence();
     }
     __syncthreads();
@@ -420,13 +425,13 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
                 }
             return;
         }
-        if (warp != 8) return;
+        if (warp != 8 || !Tr::kHandOverDq) return;
         for (int i = 0; i < steps; ++i) {   // the writer: step i's shares, in turn
             const int qi = step_tile(i), h = step_head(i), j = i & 1;
             int* order = p.dq_order + (b * p.Hq + h) * n_q + qi;
             float* block = p.dq_accum + ((b * p.Hq + h) * n_q + qi) * int64_t(64 * DP);
             if (lane == 0) {
-                while (load_acquire(order) < Tr::kAdders * kt) {
+                while (Tr::kWriterTurns && load_acquire(order) < Tr::kAdders * kt) {
                 }
                 fence_async_global();
             }
@@ -481,8 +486,7 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
     auto release = [&](int st) {
         fence_regs(reinterpret_cast<float(&)[DP / 2]>(dv));
         fence_regs(reinterpret_cast<float(&)[DP / 2]>(dk));
-        __syncwarp();
-        if (lane == 0) mbar_arrive(&empty_bar[st]);
+        mbar_arrive(&empty_bar[st]);
     };
     // Step i's share, complete, to the writer through buffer i % 2 of this warpgroup's columns.
     auto hand_dq = [&](int i) {
@@ -563,7 +567,7 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
             wg_wait<1>();   // dV(i) and dK(i); dQ(i) still running
             release(st);
             wg_wait<0>();
-            hand_dq(i);
+            if (Tr::kHandOverDq) hand_dq(i);
         } else {
             wg_wait<0>();
             release(st);
