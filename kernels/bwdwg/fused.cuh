@@ -83,6 +83,8 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, ui
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Until at most N of this thread's bulk groups are still running (N = 0: all complete, writes done).
 template <int N> __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory"); }
+// Until at most N of them are still reading their shared-memory sources.
+template <int N> __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory"); }
 // Named barrier `id` of `count` threads: waiting, or arriving only.
 __device__ __forceinline__ void named_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
 __device__ __forceinline__ void named_arrive(int id, int count) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
@@ -426,31 +428,41 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
             return;
         }
         if (warp != 8 || !Tr::kHandOverDq) return;
-        for (int i = 0; i < steps; ++i) {   // the writer: step i's shares, in turn
-            const int qi = step_tile(i), h = step_head(i), j = i & 1;
-            int* order = p.dq_order + (b * p.Hq + h) * n_q + qi;
-            float* block = p.dq_accum + ((b * p.Hq + h) * n_q + qi) * int64_t(64 * DP);
+        // The writer: step i's shares, in turn. Its reductions are not awaited before the next
+        // step's: the buffers go back once read (wait_group.read), and step i's turn is handed on
+        // once its reductions have completed, after step i + 1's are issued, so that neither the
+        // buffers nor the writer wait out the reductions' round trip to L2.
+        auto order_at = [&](int i) { return p.dq_order + (b * p.Hq + step_head(i)) * n_q + step_tile(i); };
+        for (int i = 0; i < steps; ++i) {
+            const int j = i & 1;
+            float* block = p.dq_accum + ((b * p.Hq + step_head(i)) * n_q + step_tile(i)) * int64_t(64 * DP);
             if (lane == 0) {
-                while (Tr::kWriterTurns && load_acquire(order) < Tr::kAdders * kt) {
+                while (Tr::kWriterTurns && load_acquire(order_at(i)) < Tr::kAdders * kt) {
                 }
                 fence_async_global();
             }
             __syncwarp();
             for (int c = 0; c < Tr::kAdders; ++c) {
                 named_sync(dq_full_id(c, j), kHandOver);
-                if (lane == 0) {
-                    bulk_reduce_add(block + c * Tr::kPieceFloats, held + (2 * c + j) * Tr::kPieceFloats, Tr::kPieceFloats * 4);
-                    bulk_commit();
-                }
+                if (lane == 0) bulk_reduce_add(block + c * Tr::kPieceFloats, held + (2 * c + j) * Tr::kPieceFloats, Tr::kPieceFloats * 4);
             }
             if (lane == 0) {
-                bulk_wait<0>();
-                fence_async_global();
-                add_release(order, Tr::kAdders);
+                bulk_commit();
+                if (i > 0) {   // step i - 1's reductions complete: its turn goes on
+                    bulk_wait<1>();
+                    fence_async_global();
+                    add_release(order_at(i - 1), Tr::kAdders);
+                }
+                bulk_wait_read<0>();
             }
             __syncwarp();
             if (i + 2 < steps)
                 for (int c = 0; c < Tr::kAdders; ++c) named_arrive(dq_empty_id(c, j), kHandOver);
+        }
+        if (lane == 0) {
+            bulk_wait<0>();
+            fence_async_global();
+            add_release(order_at(steps - 1), Tr::kAdders);
         }
         return;
     }
