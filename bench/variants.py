@@ -22,9 +22,10 @@ import tempfile
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WS = "kernels/ws/kernel.cuh"
-FUSED = ("kernels/gqa_params.h", "kGqaFusedBackward = false;", "kGqaFusedBackward = true;")
+FUSED = ("kernels/gqa_params.h", "kGqaFusedBackward = false;", "kGqaFusedBackward = true;")   # at every T, widths 64, 128
 DQ_ADD = ("kernels/bwdwg/fused.cuh", "kDqAdd = DqAdd::kTurn;")   # the fused kernel's dQ add (FusedTraits)
-PIPELINED = (DQ_ADD[0], "kPipelined = false;", "kPipelined = true;")
+SERIAL = (DQ_ADD[0], "kPipelined = true;", "kPipelined = false;")   # the fused kernel's serial step (v53-v54, v89)
+TWO_KERNELS = ("kernels/gqa_params.h", "kGqaFusedBackwardMinT = 8192;", "kGqaFusedBackwardMinT = 1 << 30;")
 X3 = "kernels/bwdx3/bwdx3.cu"
 BWD = "kernels/bwdmma/kernels.cuh"   # the two wgmma/mma.sync backward kernels
 BWD_CP_ASYNC = ("kernels/bwdwg/bwdwg.cu", "static constexpr bool kTma = true;", "static constexpr bool kTma = false;")
@@ -35,11 +36,12 @@ BWD_ROWS_128 = ("kernels/bwdwg/bwdwg.cu", "kRowGroups = 1;", "kRowGroups = DP ==
 VARIANTS = {
     "base": [],
     "fused_backward": [FUSED],
-    "atomic_dq_add": [FUSED, (DQ_ADD[0], DQ_ADD[1], "kDqAdd = DqAdd::kRed;")],
-    "writer_dq_add": [FUSED, (DQ_ADD[0], DQ_ADD[1], "kDqAdd = DqAdd::kWriter;")],
-    "pipelined_backward": [FUSED, PIPELINED],
-    "pipelined_no_turns": [FUSED, PIPELINED, (DQ_ADD[0], "kWriterTurns = true,", "kWriterTurns = false,")],
-    "pipelined_no_dq_adds": [FUSED, PIPELINED, (DQ_ADD[0], "kHandOverDq = true;", "kHandOverDq = false;")],
+    "two_kernel_backward": [TWO_KERNELS],
+    "serial_fused_turn": [FUSED, SERIAL],
+    "atomic_dq_add": [FUSED, SERIAL, (DQ_ADD[0], DQ_ADD[1], "kDqAdd = DqAdd::kRed;")],
+    "writer_dq_add": [FUSED, SERIAL, (DQ_ADD[0], DQ_ADD[1], "kDqAdd = DqAdd::kWriter;")],
+    "fused_no_turns": [FUSED, (DQ_ADD[0], "kWriterTurns = true,", "kWriterTurns = false,")],
+    "fused_no_dq_adds": [FUSED, (DQ_ADD[0], "kHandOverDq = true;", "kHandOverDq = false;")],
     "rowwise_backward_at_256": [("kernels/attention.cu", "kWgAt256 = true;", "kWgAt256 = false;")],
     "not_persistent": [(WS, "kPersistent = true;", "kPersistent = false;")],
     "round_robin_walk": [(WS, "((k & 1) ? G - 1 - c : c)", "c")],

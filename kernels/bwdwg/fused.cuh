@@ -11,9 +11,12 @@
 //     takes the query tiles in the same order, so the waits are short once under way. The sum is
 //     kept in blocks of a query tile (64 rows x DP), each warpgroup's 64 columns a 16 KB piece in
 //     the order of its threads' accumulators (float4 n of thread w at n * 128 + w), so that a
-//     share is one contiguous piece (FusedTraits::kDqAdd says how it is added).
+//     share is one contiguous piece. gqa_bwd_pipe_kernel (FusedTraits::kPipelined, in use) orders
+//     the step's products so that the tensor pipe keeps issued work and adds the shares from a
+//     writer warp; gqa_bwd_fused_kernel, its serial predecessor, stays for measurement with the
+//     forms of FusedTraits::kDqAdd.
 //  3. dQ = the sum times 1 / sqrt(D), in the input dtype, rows back in [B, T, Hq, D] order.
-// Deterministic in every kDqAdd but kRed: every sum runs in a fixed order.
+// Deterministic (in every kDqAdd but kRed): every sum runs in a fixed order.
 #ifndef GQA_BWDWG_FUSED_CUH
 #define GQA_BWDWG_FUSED_CUH
 
@@ -39,12 +42,12 @@ template <int DP> struct FusedTraits {
     // turn or not, measured slower: bench/NOTES.md v53, v54.)
     enum class DqAdd { kTurn, kRed, kWriter };
     static constexpr DqAdd kDqAdd = DqAdd::kTurn;
-    // The pipelined step (gqa_bwd_pipe_kernel, bench/NOTES.md v91): a producer warp loads each
+    // The pipelined step (gqa_bwd_pipe_kernel, bench/NOTES.md v91, v92): a producer warp loads each
     // step's Q, dO and statistics into a ring of two stages, dS^T has two buffers, and each
     // warpgroup issues the next step's S^T and dP^T before it waits for this step's dQ share, which
     // the writer warp adds in turn (kWriter's hand-over). At width 64 the warpgroups take the dQ
     // products in turn, a step each.
-    static constexpr bool kPipelined = false;
+    static constexpr bool kPipelined = true;
     // Instruments of the pipelined kernel, both true in use. kWriterTurns false: the writer adds
     // without waiting for the turn (not deterministic). kHandOverDq false: the dQ shares are
     // dropped (dQ is wrong), which leaves the products' own schedule.
