@@ -96,6 +96,27 @@ __device__ __forceinline__ int dq_full_id(int c, int j) { return 2 + 2 * c + j; 
 __device__ __forceinline__ int dq_empty_id(int c, int j) { return 6 + 2 * c + j; }
 constexpr int kHandOver = 128 + 32;   // a warpgroup and the writer warp
 
+// A warp's 16 key rows of dK (times 1 / sqrt(D)) and dV from its accumulators, rows from j0; rows
+// past T are left.
+template <int DP>
+__device__ __forceinline__ void store_key_rows(const float (&dk)[DP / 8][4], const float (&dv)[DP / 8][4], const GqaBwdParams& p,
+                                               int64_t b, int kvh, int j0, int lane, bool bf16) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int j = j0 + frag_row(lane, 2 * half);
+        if (j >= p.T) continue;
+        const int64_t row = (b * p.T + j) * p.Hkv + kvh;
+        uint16_t* dk_out = static_cast<uint16_t*>(p.dk) + row * DP;
+        uint16_t* dv_out = static_cast<uint16_t*>(p.dv) + row * DP;
+#pragma unroll
+        for (int n = 0; n < DP / 8; ++n) {
+            const int c = frag_col(lane, n, 2 * half);
+            store_pair(dk_out + c, dk[n][2 * half] * p.scale, dk[n][2 * half + 1] * p.scale, bf16);
+            store_pair(dv_out + c, dv[n][2 * half], dv[n][2 * half + 1], bf16);
+        }
+    }
+}
+
 template <class Pol>
 __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
     gqa_bwd_fused_kernel(const GqaBwdParams p, const __grid_constant__ typename Pol::Maps maps) {
@@ -350,20 +371,7 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
         }
     }
 
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int j = kw0 + 16 * cw + frag_row(lane, 2 * half);
-        if (j >= T) continue;
-        const int64_t row = (b * T + j) * p.Hkv + kvh;
-        uint16_t* dk_out = static_cast<uint16_t*>(p.dk) + row * DP;
-        uint16_t* dv_out = static_cast<uint16_t*>(p.dv) + row * DP;
-#pragma unroll
-        for (int n = 0; n < DP / 8; ++n) {
-            const int c = frag_col(lane, n, 2 * half);
-            store_pair(dk_out + c, dk[n][2 * half] * p.scale, dk[n][2 * half + 1] * p.scale, bf16);
-            store_pair(dv_out + c, dv[n][2 * half], dv[n][2 * half + 1], bf16);
-        }
-    }
+    store_key_rows<DP>(dk, dv, p, b, kvh, kw0 + 16 * cw, lane, bf16);
 }
 
 // FusedTraits::kPipelined's kernel: the products of gqa_bwd_fused_kernel's step, reordered so
@@ -592,20 +600,7 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
     fence_regs(reinterpret_cast<float(&)[DP / 2]>(dv));
     fence_regs(reinterpret_cast<float(&)[DP / 2]>(dk));
 
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int jk = kw0 + 16 * cw + frag_row(lane, 2 * half);
-        if (jk >= T) continue;
-        const int64_t row = (b * T + jk) * p.Hkv + kvh;
-        uint16_t* dk_out = static_cast<uint16_t*>(p.dk) + row * DP;
-        uint16_t* dv_out = static_cast<uint16_t*>(p.dv) + row * DP;
-#pragma unroll
-        for (int n = 0; n < DP / 8; ++n) {
-            const int c = frag_col(lane, n, 2 * half);
-            store_pair(dk_out + c, dk[n][2 * half] * p.scale, dk[n][2 * half + 1] * p.scale, bf16);
-            store_pair(dv_out + c, dv[n][2 * half], dv[n][2 * half + 1], bf16);
-        }
-    }
+    store_key_rows<DP>(dk, dv, p, b, kvh, kw0 + 16 * cw, lane, bf16);
 }
 
 // dQ = the fp32 sum times 1 / sqrt(D), in the input dtype: a thread a float4 of the blocks (two
