@@ -3,7 +3,7 @@ stage count): each variant is a copy of this checkout with text replaced in kern
 timed in its own process, so every variant builds its own units (all variants' builds run at
 once first, then the timings one at a time).
 
-    python3 bench/variants.py --out variants.json [--only NAME,...] [--timeout 300] [--dtype fp32]
+    python3 bench/variants.py --out variants.json [--only NAME,...] [--timeout 300] [--dtype fp32] [--backward-only]
 
 A variant whose replacement text is not found fails before anything runs. Times are CUDA-event
 timings of back-to-back calls (bf16, or with --dtype fp32 the fp32 backward alone; the best of 3
