@@ -1862,12 +1862,80 @@ def test_gpu_backward_16bit_within_twice_sdpa(B, T, Hq, Hkv, D, dtype):
     """fp16 and bf16 gradients: norm-relative error against float64, over the whole gradient and
     over its worst head-dim channel, at most 2x that of SDPA's own gradients on the same inputs,
     plus 1e-3."""
-    q, k, v = make_qkv(B, T, Hq, Hkv, D, device="cuda", dtype=dtype)
     name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
     family = tensor_core_backward(T, D)
-    expected = "%s/%s/d%d" % (family, name, D) if family else "backward/" + name
-    assert gqa_module.backward_plan(q, k, v) == expected
+    check_16bit_grads(B, T, Hq, Hkv, D, dtype, "%s/%s/d%d" % (family, name, D) if family else "backward/" + name)
+
+
+FUSED_MIN_T = 8192   # kGqaFusedBackwardMinT (kernels/gqa_params.h)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("B, T, Hq, Hkv, min_t, uneven", [
+    (1, 129, 4, 2, 129, False), (2, 1000, 8, 2, 129, False), (1, 4097, 4, 1, 129, False), (3, 200, 12, 12, 200, False),
+    (2, 1000, 8, 2, 129, True), (1, 8193, 4, 2, None, False)])
+def test_gpu_fused_backward_within_twice_sdpa(B, T, Hq, Hkv, min_t, uneven, dtype, monkeypatch):
+    """The wgmma unit's fused kernel (head_dim 128, from 8192 query rows, or from
+    GQA_FUSED_BACKWARD_MIN_T): gradients within test_gpu_backward_16bit_within_twice_sdpa's bounds,
+    at ragged sizes around its 128-key and 64-row tiles, GQA, MQA and MHA, and on inputs whose
+    magnitudes differ by orders (check_16bit_grads' uneven)."""
+    if tensor_core_backward(T, 128) != "bwdwg":
+        pytest.skip("the fused kernel is the wgmma unit's: an sm_90a build on an H100 or H200")
+    if min_t is None:
+        assert T >= FUSED_MIN_T
+    else:
+        monkeypatch.setenv("GQA_FUSED_BACKWARD_MIN_T", str(min_t))
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    check_16bit_grads(B, T, Hq, Hkv, 128, dtype, "bwdwg/%s/d128/fused" % name, uneven)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_fused_backward_deterministic_and_nonfinite_like_reference(dtype, monkeypatch):
+    """The fused kernel (taken here from 129 query rows): bitwise the same gradients in two runs;
+    with Inf and NaN in q, k, v, or one NaN at the last element of grad_out, NaN exactly where
+    float64 autograd's gradients are, and within 2e-2 of them elsewhere."""
+    T, D = 300, 128
+    if tensor_core_backward(T, D) != "bwdwg":
+        pytest.skip("the fused kernel is the wgmma unit's: an sm_90a build on an H100 or H200")
+    monkeypatch.setenv("GQA_FUSED_BACKWARD_MIN_T", "129")
+    q, k, v = make_qkv(2, T, 8, 2, D, device="cuda", dtype=dtype)
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    assert gqa_module.backward_plan(q, k, v) == "bwdwg/%s/d128/fused" % name
     grad_out = torch.randn_like(q)
+    first, second = project_grads(q, k, v, grad_out), project_grads(q, k, v, grad_out)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    q[0, 5, 1, 3] = float("inf")
+    k[1, 9, 0, 2] = float("-inf")
+    v[0, 200, 1, 7] = float("nan")
+    poisoned_out = grad_out.clone()
+    poisoned_out.view(-1)[-1] = float("nan")
+    for case, tensors in (("inputs", (q, k, v, grad_out)), ("grad_out", (*make_qkv(2, T, 8, 2, D, device="cuda", dtype=dtype), poisoned_out))):
+        for grad_name, got, ref in zip(("dq", "dk", "dv"), project_grads(*tensors), reference_grads(*tensors)):
+            assert torch.equal(torch.isnan(got), torch.isnan(ref)), (case, grad_name)
+            finite = torch.isfinite(ref)
+            assert torch.equal(torch.isfinite(got), finite), (case, grad_name)
+            if finite.any():
+                assert rel_err(got[finite], ref[finite]) <= 2e-2, (case, grad_name)
+
+
+def check_16bit_grads(B, T, Hq, Hkv, D, dtype, expected_plan, uneven=False):
+    """The 16-bit gradients of a call taking expected_plan: norm-relative error against float64,
+    whole and of the worst head-dim channel, at most 2x SDPA's own on the same inputs plus 1e-3.
+    uneven: magnitudes that differ by orders, within 16-bit range (one query head 30x larger than
+    the others, keys 10x smaller with one channel 30x larger, one channel of v 1e-3 smaller,
+    grad_out at 1e-2 with one query row 1e2 larger)."""
+    q, k, v = make_qkv(B, T, Hq, Hkv, D, device="cuda", dtype=dtype)
+    assert gqa_module.backward_plan(q, k, v) == expected_plan
+    grad_out = torch.randn_like(q)
+    if uneven:
+        q[:, :, 0] *= 30
+        k *= 0.1
+        k[..., 1] *= 30
+        v[..., 0] *= 1e-3
+        grad_out *= 1e-2
+        grad_out[:, T // 2] *= 1e2
     exact = reference_grads(q, k, v, grad_out)
     sq, sk, sv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     sdpa = torch.nn.functional.scaled_dot_product_attention(
@@ -1988,6 +2056,8 @@ def test_gpu_backward_long_sequence_scratch_memory():
     sum and its counters) is at most twice the inputs' size, and the gradients are finite."""
     B, T, Hq, Hkv, D = 1, 32768, 32, 8, 128
     q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16).requires_grad_(True) for H in (Hq, Hkv, Hkv))
+    if tensor_core_backward(T, D) == "bwdwg":
+        assert gqa_module.backward_plan(q, k, v) == "bwdwg/bf16/d128/fused"
     grad_out = torch.randn(B, T, Hq, D, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -2113,7 +2183,8 @@ def test_sanitizer_cases_take_their_plans_and_cover_every_plan():
         sorted(plans - declared), sorted(declared - plans))
     plans |= {"backward/fp32", "backward/fp16", "backward/bf16", "bwdx3/fp32/d64", "bwdx3/fp32/d128"} | {
         "%s/%s/d%d" % (family, dtype, width) for family in ("bwdmma", "bwdwg") for dtype in ("fp16", "bf16")
-        for width in ((64, 128, 256) if family == "bwdwg" else (64, 128))}
+        for width in ((64, 128, 256) if family == "bwdwg" else (64, 128))} | {
+        "bwdwg/fp16/d128/fused", "bwdwg/bf16/d128/fused"}
     assert set(sanitize.BACKWARD_PLANS) == plans - declared
     finite = {case[0] for case, nonfinite in sanitize.runs() if not nonfinite}
     nonfinite = {case[0] for case, nonfinite in sanitize.runs() if nonfinite}

@@ -125,6 +125,10 @@ BACKWARD_CASES = (
     ("bwdwg/fp16/d128",           2, 200,  4,  4, 128, "fp16", False, False),  # offset rows, MHA
     ("bwdwg/bf16/d64",            1, 300,  4,  1,  64, "bf16", True,  False),  # MQA
     ("bwdwg/bf16/d128",           1, 257,  8,  2, 128, "bf16", True,  False),
+    # The fused kernel, which the library takes from 8192 query rows at width 128, here from
+    # FUSED_MIN_T rows (GQA_FUSED_BACKWARD_MIN_T, set for these cases alone).
+    ("bwdwg/fp16/d128/fused",     2, 200,  4,  4, 128, "fp16", False, False),  # offset rows, MHA
+    ("bwdwg/bf16/d128/fused",     1, 257,  8,  2, 128, "bf16", True,  False),  # 3 key tiles, the last of 1 row, G = 4
     ("bwdwg/fp16/d256",           1, 130,  4,  2, 256, "fp16", True,  False),  # 3 tiles, the last of 2 rows
     ("bwdwg/bf16/d256",           2, 193,  2,  2, 256, "bf16", False, False),  # offset rows, MHA
     ("bwdx3/fp32/d64",            1, 129,  6,  2,  64, "fp32", True,  False),  # 3 tiles, the last ragged, G = 3
@@ -133,6 +137,7 @@ BACKWARD_CASES = (
 
 
 BACKWARD_PLANS = tuple(sorted({case[0] for case in BACKWARD_CASES}))
+FUSED_MIN_T = 129   # the fused cases' GQA_FUSED_BACKWARD_MIN_T
 
 
 def every_plan():
@@ -305,6 +310,8 @@ def run_cases(seed, only=None, start=0):
             q, k, v = (_upload(host[name], aligned) for name in ("q", "k", "v"))
             torch.backends.cuda.matmul.allow_tf32 = allow_tf32
             if plan in BACKWARD_PLANS:
+                if plan.endswith("/fused"):
+                    os.environ["GQA_FUSED_BACKWARD_MIN_T"] = str(FUSED_MIN_T)
                 got_plan = gqa_module.backward_plan(q, k, v)
                 if got_plan != plan:
                     raise AssertionError("backward plan %s, expected %s" % (got_plan, plan))
@@ -326,6 +333,7 @@ def run_cases(seed, only=None, start=0):
             ok, detail = False, "%s: %s" % (type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         finally:
             torch.backends.cuda.matmul.allow_tf32 = saved_tf32
+            os.environ.pop("GQA_FUSED_BACKWARD_MIN_T", None)
         failed += not ok
         if ok:
             covered.add(plan)

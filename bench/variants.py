@@ -3,7 +3,7 @@ stage count): each variant is a copy of this checkout with text replaced in kern
 timed in its own process, so every variant builds its own units (all variants' builds run at
 once first, then the timings one at a time).
 
-    python3 bench/variants.py --out variants.json [--only NAME,...] [--timeout 300] [--dtype fp32]
+    python3 bench/variants.py --out variants.json [--only NAME,...] [--timeout 300] [--dtype fp32] [--backward-only]
 
 A variant whose replacement text is not found fails before anything runs. Times are CUDA-event
 timings of back-to-back calls (bf16, or with --dtype fp32 the fp32 backward alone; the best of 3
@@ -22,8 +22,10 @@ import tempfile
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WS = "kernels/ws/kernel.cuh"
-FUSED = ("kernels/gqa_params.h", "kGqaFusedBackward = false;", "kGqaFusedBackward = true;")
+FUSED = ("kernels/gqa_params.h", "kGqaFusedBackward = false;", "kGqaFusedBackward = true;")   # at every T, widths 64, 128
 DQ_ADD = ("kernels/bwdwg/fused.cuh", "kDqAdd = DqAdd::kTurn;")   # the fused kernel's dQ add (FusedTraits)
+SERIAL = (DQ_ADD[0], "kPipelined = true;", "kPipelined = false;")   # the fused kernel's serial step (v53-v54, v89)
+TWO_KERNELS = ("kernels/gqa_params.h", "kGqaFusedBackwardMinT = 8192;", "kGqaFusedBackwardMinT = 1 << 30;")
 X3 = "kernels/bwdx3/bwdx3.cu"
 BWD = "kernels/bwdmma/kernels.cuh"   # the two wgmma/mma.sync backward kernels
 BWD_CP_ASYNC = ("kernels/bwdwg/bwdwg.cu", "static constexpr bool kTma = true;", "static constexpr bool kTma = false;")
@@ -34,8 +36,12 @@ BWD_ROWS_128 = ("kernels/bwdwg/bwdwg.cu", "kRowGroups = 1;", "kRowGroups = DP ==
 VARIANTS = {
     "base": [],
     "fused_backward": [FUSED],
-    "atomic_dq_add": [FUSED, (DQ_ADD[0], DQ_ADD[1], "kDqAdd = DqAdd::kRed;")],
-    "writer_dq_add": [FUSED, (DQ_ADD[0], DQ_ADD[1], "kDqAdd = DqAdd::kWriter;")],
+    "two_kernel_backward": [TWO_KERNELS],
+    "serial_fused_turn": [FUSED, SERIAL],
+    "atomic_dq_add": [FUSED, SERIAL, (DQ_ADD[0], DQ_ADD[1], "kDqAdd = DqAdd::kRed;")],
+    "writer_dq_add": [FUSED, SERIAL, (DQ_ADD[0], DQ_ADD[1], "kDqAdd = DqAdd::kWriter;")],
+    "fused_no_turns": [FUSED, (DQ_ADD[0], "kWriterTurns = true,", "kWriterTurns = false,")],
+    "fused_no_dq_adds": [FUSED, (DQ_ADD[0], "kHandOverDq = true;", "kHandOverDq = false;")],
     "rowwise_backward_at_256": [("kernels/attention.cu", "kWgAt256 = true;", "kWgAt256 = false;")],
     "not_persistent": [(WS, "kPersistent = true;", "kPersistent = false;")],
     "round_robin_walk": [(WS, "((k & 1) ? G - 1 - c : c)", "c")],
@@ -75,7 +81,8 @@ VARIANTS = {
     "l2_sections_40mb": [(WS, "kL2SectionBytes = int64_t(24) << 20;", "kL2SectionBytes = int64_t(40) << 20;")],
     "l2_sections_always": [(WS, "pairs * pair_bytes > 2 * Tr::kL2SectionBytes;", "true;")],
 }
-BACKWARD_SHAPES = [(4, 1024, 32, 8, 128), (1, 8192, 32, 8, 128), (16, 2048, 32, 8, 64), (1, 2048, 16, 4, 256)]
+BACKWARD_SHAPES = [(4, 1024, 32, 8, 128), (1, 8192, 32, 8, 128), (16, 2048, 32, 8, 64), (1, 16384, 32, 8, 128),
+                   (1, 32768, 32, 8, 128), (1, 2048, 16, 4, 256)]
 # --dtype fp32: the fp32 backward alone, at the shapes of its bar, its error on a long slice.
 FP32_BACKWARD_SHAPES = [(4, 1024, 32, 8, 128), (1, 8192, 32, 8, 128), (16, 2048, 32, 8, 64)]
 
@@ -183,6 +190,7 @@ def main():
     parser.add_argument("--only", help="comma-separated variant names")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
                         help="fp32: the fp32 backward alone (FP32_BACKWARD_SHAPES), no forward rows")
+    parser.add_argument("--backward-only", action="store_true", help="bf16: the backward rows alone, no forward rows")
     parser.add_argument("--timeout", type=int, default=300,
                         help="seconds for the builds (all variants at once), then for each variant's timing")
     args = parser.parse_args()
@@ -194,6 +202,8 @@ def main():
     copies = {name: make_copy(name, VARIANTS[name], root) for name in names}   # every edit checked first
     results = {}
     shapes, bwd_shapes = (SHAPES, BACKWARD_SHAPES) if args.dtype == "bf16" else ([], FP32_BACKWARD_SHAPES)
+    if args.backward_only:
+        shapes = []
     dtype, slice_t = ("bfloat16", "333") if args.dtype == "bf16" else ("float32", "4097")
     warm = {name: subprocess.Popen([sys.executable, "-c", WARM, json.dumps(shapes), json.dumps(bwd_shapes), dtype],
                                    cwd=copies[name], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -18,6 +18,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <vector>
 
 #include "common/base.cuh"
@@ -172,19 +173,28 @@ GqaBwdLauncher backward_launcher(BwdKind kind, int dtype, int width) {
 
 const char* gqa_backward_plan(const GqaBwdParams& p) {
     static const char* const kRows[3] = {"backward/fp32", "backward/fp16", "backward/bf16"};
+    static const char* const kFused[2][2] = {{"bwdwg/fp16/d64/fused", "bwdwg/fp16/d128/fused"},
+                                             {"bwdwg/bf16/d64/fused", "bwdwg/bf16/d128/fused"}};
     if (p.dtype < 0 || p.dtype > 2) return "?";
     const BwdKind kind = backward_kind(p);
+    if (p.fused && kind == kBwdWg && p.dtype != kGqaFloat32 && p.D != 256) return kFused[p.dtype - 1][width_index(p.D)];
     return kind == kBwdRows ? kRows[p.dtype] : backward_unit_name(kind, p.dtype, p.D);
 }
 
-// The wgmma unit's fused kernel (kGqaFusedBackward, widths 64 and 128) sums dQ over its key tiles
-// in fp32 (blocks of 64 query rows per batch and head) and orders those sums with a counter per
-// block. The two kernels need none.
+bool gqa_backward_fused(const GqaBwdParams& p) {
+    if (p.dtype == kGqaFloat32 || (p.D != 64 && p.D != 128) || backward_kind(p) != kBwdWg) return false;
+    if (kGqaFusedBackward) return true;
+    const char* bound = std::getenv("GQA_FUSED_BACKWARD_MIN_T");
+    const long long min_t = bound != nullptr && *bound != '\0' ? std::atoll(bound) : kGqaFusedBackwardMinT;
+    return p.D == 128 && p.T >= min_t;
+}
+
+// The wgmma unit's fused kernel sums dQ over its key tiles in fp32 (blocks of 64 query rows per
+// batch and head) and orders those sums with a counter per block. The two kernels need none.
 int64_t gqa_backward_workspace_floats(const GqaBwdParams& p) {
     const BwdKind kind = backward_kind(p);
     if (kind == kBwdX3) return gqa_x3_bwd_floats(p);
-    if (!kGqaFusedBackward || kind != kBwdWg || p.D == 256) return 0;
-    return gqa_fused_dq_floats(p);
+    return p.fused && kind == kBwdWg ? gqa_fused_dq_floats(p) : 0;
 }
 
 int gqa_backward(const GqaBwdParams& params, void* stream) {
@@ -199,7 +209,7 @@ int gqa_backward(const GqaBwdParams& params, void* stream) {
     // The tensor-core kernels, which flag Inf or NaN in their inputs as they read them (the fused
     // kernel's unit after a scan of the inputs, which flags them first), then the row-wise ones,
     // which do nothing unless flagged: no host round trip.
-    const bool fused = kGqaFusedBackward && kind == kBwdWg && p.D != 256;
+    const bool fused = p.fused && kind == kBwdWg;
     cudaError_t err = fused ? scan_nonfinite(p, s) : cudaMemsetAsync(p.nonfinite, 0, sizeof(int), s);
     if (err != cudaSuccess) return int(err);
     const int launched = launch(&p, stream);

@@ -249,6 +249,7 @@ GqaBwdParams backward_params_of(const at::Tensor& q, const at::Tensor& k) {
     p.scale = float(1.0 / std::sqrt(double(p.D)));
     p.scale_log2 = float(1.4426950408889634 / std::sqrt(double(p.D)));
     p.dtype = dtype_code(q.scalar_type());
+    p.fused = gqa_backward_fused(p);
     return p;
 }
 

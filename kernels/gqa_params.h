@@ -38,9 +38,12 @@ struct GqaParams {
 };
 
 // The device facts a plan depends on.
-// Whether the 16-bit wgmma backward at widths 64 and 128 runs its fused kernel (dK, dV and dQ in
-// one, dQ summed in the scratch of gqa_backward_workspace_floats) instead of its two kernels. The
-// fused one measured 0.70-0.75x of the two (bench/NOTES.md v46) and stays for measurement.
+// The 16-bit wgmma backward's fused kernel (dK, dV and dQ in one, dQ summed in the scratch of
+// gqa_backward_workspace_floats) runs instead of its two kernels at width 128 from this many query
+// rows (gqa_backward_fused): it does five tile products a tile pair where they do seven, and
+// measured 1.07x of them at T = 8192, 1.19x at 32768, 0.69x at 1024 (bench/NOTES.md v92).
+constexpr int kGqaFusedBackwardMinT = 8192;
+// For measurement: the fused kernel at widths 64 and 128 for every T.
 constexpr bool kGqaFusedBackward = false;
 
 // The backward's inputs and outputs: every tensor contiguous, q, o, dout and dq (B, T, Hq, D), k, v,
@@ -72,6 +75,7 @@ struct GqaBwdParams {
     // Null, or the forward's lse2 (GqaParams::lse2): rows holding a number need no first pass.
     const float* lse2_in;
     bool rows_if_nonfinite;   // the row-wise kernels run only when *nonfinite is set
+    bool fused;               // gqa_backward_fused: the wgmma unit runs its fused kernel
     int B, T, Hq, Hkv, D;
     int group;          // Hq / Hkv
     float scale;        // 1 / sqrt(D)
@@ -134,6 +138,11 @@ int gqa_empty_launch(void* out, void* stream);
 int gqa_backward(const GqaBwdParams& params, void* stream);   // dq, dk and dv; 0 or a cudaError_t
 // Which backward a call runs: "bwdmma/<dtype>/d<width>" (tensor cores) or "backward/<dtype>" (row-wise).
 const char* gqa_backward_plan(const GqaBwdParams& params);
+// Whether the call runs the wgmma unit's fused kernel (GqaBwdParams::fused, set from this with the
+// sizes, before the scratch is sized): width 128 from kGqaFusedBackwardMinT query rows, or from the
+// value of the environment variable GQA_FUSED_BACKWARD_MIN_T where it is set (the tests and the
+// sanitizer take the kernel at small T with it).
+bool gqa_backward_fused(const GqaBwdParams& params);
 // Floats of lse2 (and of delta) in the backward's scratch. The tensor-core kernels keep them as
 // [B, Hq, T64], T rounded up to 64 steps and the rows past T zero, so that a query tile's 64 values
 // are one 16-byte-aligned run of 256 bytes; the row-wise kernels use the first B * T * Hq of them

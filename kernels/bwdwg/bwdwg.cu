@@ -1,9 +1,9 @@
 // The backward's wgmma unit (sm_90a): fp16 and bf16 at head_dim 64, 128 and 256, a unit per dtype
 // and width (GQA_DTYPE, GQA_WIDTH): the two kernels of bwdmma/kernels.cuh (dQ, then dK and dV) over
 // this policy (its tile products on the warpgroup, the CTA's four warps, 64 rows, from
-// 128-byte-swizzled tiles; at width 256 each CTA computes half of the output columns). With
-// kGqaFusedBackward, widths 64 and 128 run the dQ kernel's statistics pass, then fused.cuh's
-// kernel for dK, dV and dQ.
+// 128-byte-swizzled tiles; at width 256 each CTA computes half of the output columns). Where
+// GqaBwdParams::fused (width 128 on long sequences; gqa_backward_fused), the dQ kernel's statistics
+// pass, then fused.cuh's kernel for dK, dV and dQ.
 
 #include "bwdwg/fused.cuh"
 #include "common/tma.cuh"
@@ -80,10 +80,10 @@ extern "C" int gqa_launch_bwdwg(const GqaBwdParams* p, void* stream) {
     int dev = 0;
     const cudaError_t err = cudaGetDevice(&dev);
     if (err != cudaSuccess) return int(err);
-    // The two kernels (at width 256 in column halves), or the fused one (kGqaFusedBackward).
-    if constexpr (GQA_WIDTH == 256 || !kGqaFusedBackward) {
-        return int(bwd_launch<Products>(*p, static_cast<cudaStream_t>(stream), dev));
-    } else {
-        return int(fused_launch<Products>(*p, static_cast<cudaStream_t>(stream), dev));
+    // The two kernels (at width 256 in column halves), or the fused one (GqaBwdParams::fused; its
+    // kernels are compiled where it can be taken: width 128, and width 64 with kGqaFusedBackward).
+    if constexpr (GQA_WIDTH == 128 || (GQA_WIDTH == 64 && kGqaFusedBackward)) {
+        if (p->fused) return int(fused_launch<Products>(*p, static_cast<cudaStream_t>(stream), dev));
     }
+    return int(bwd_launch<Products>(*p, static_cast<cudaStream_t>(stream), dev));
 }

@@ -11,13 +11,17 @@
 //     takes the query tiles in the same order, so the waits are short once under way. The sum is
 //     kept in blocks of a query tile (64 rows x DP), each warpgroup's 64 columns a 16 KB piece in
 //     the order of its threads' accumulators (float4 n of thread w at n * 128 + w), so that a
-//     share is one contiguous piece (FusedTraits::kDqAdd says how it is added).
+//     share is one contiguous piece. gqa_bwd_pipe_kernel (FusedTraits::kPipelined, in use) orders
+//     the step's products so that the tensor pipe keeps issued work and adds the shares from a
+//     writer warp; gqa_bwd_fused_kernel, its serial predecessor, stays for measurement with the
+//     forms of FusedTraits::kDqAdd.
 //  3. dQ = the sum times 1 / sqrt(D), in the input dtype, rows back in [B, T, Hq, D] order.
-// Deterministic in every kDqAdd but kRed: every sum runs in a fixed order.
+// Deterministic (in every kDqAdd but kRed): every sum runs in a fixed order.
 #ifndef GQA_BWDWG_FUSED_CUH
 #define GQA_BWDWG_FUSED_CUH
 
 #include "bwdmma/kernels.cuh"
+#include "common/tma.cuh"
 
 namespace {
 
@@ -38,7 +42,17 @@ template <int DP> struct FusedTraits {
     // turn or not, measured slower: bench/NOTES.md v53, v54.)
     enum class DqAdd { kTurn, kRed, kWriter };
     static constexpr DqAdd kDqAdd = DqAdd::kTurn;
-    static constexpr bool kWriter = kDqAdd == DqAdd::kWriter;
+    // The pipelined step (gqa_bwd_pipe_kernel, bench/NOTES.md v91, v92): a producer warp loads each
+    // step's Q, dO and statistics into a ring of two stages, dS^T has two buffers, and each
+    // warpgroup issues the next step's S^T and dP^T before it waits for this step's dQ share, which
+    // the writer warp adds in turn (kWriter's hand-over). At width 64 the warpgroups take the dQ
+    // products in turn, a step each.
+    static constexpr bool kPipelined = true;
+    // Instruments of the pipelined kernel, both true in use. kWriterTurns false: the writer adds
+    // without waiting for the turn (not deterministic). kHandOverDq false: the dQ shares are
+    // dropped (dQ is wrong), which leaves the products' own schedule.
+    static constexpr bool kWriterTurns = true, kHandOverDq = true;
+    static constexpr bool kWriter = kPipelined || kDqAdd == DqAdd::kWriter;
     static constexpr int kMmaThreads = 256;                          // the two warpgroups of products
     static constexpr int kThreads = kMmaThreads + (kWriter ? 128 : 0);
     static constexpr int kMmaRegs = 240, kWriterRegs = 24;           // kWriter: setmaxnreg
@@ -48,8 +62,8 @@ template <int DP> struct FusedTraits {
     // K, V, two stages of (Q, dO), dS^T, two stages of (lse2, delta), then kWriter's buffers; 1024
     // of alignment slack.
     static constexpr int kBufferBytes = kAdders * 2 * kPieceFloats * 4;
-    static constexpr int kSmem = 1024 + 2 * (2 * kKvHalves + 4 * kRowHalves + kDsHalves) + 2 * 2 * kRows * 4 +
-                                 (kWriter ? kBufferBytes : 0);
+    static constexpr int kSmem = 1024 + 2 * (2 * kKvHalves + 4 * kRowHalves + (kPipelined ? 2 : 1) * kDsHalves) +
+                                 2 * 2 * kRows * 4 + (kWriter ? kBufferBytes : 0);
     static_assert(kSmem <= 227 * 1024, "one CTA's shared memory");
 };
 
@@ -72,6 +86,8 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, ui
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Until at most N of this thread's bulk groups are still running (N = 0: all complete, writes done).
 template <int N> __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory"); }
+// Until at most N of them are still reading their shared-memory sources.
+template <int N> __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory"); }
 // Named barrier `id` of `count` threads: waiting, or arriving only.
 __device__ __forceinline__ void named_sync(int id, int count) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
 __device__ __forceinline__ void named_arrive(int id, int count) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory"); }
@@ -79,6 +95,27 @@ __device__ __forceinline__ void named_arrive(int id, int count) { asm volatile("
 __device__ __forceinline__ int dq_full_id(int c, int j) { return 2 + 2 * c + j; }
 __device__ __forceinline__ int dq_empty_id(int c, int j) { return 6 + 2 * c + j; }
 constexpr int kHandOver = 128 + 32;   // a warpgroup and the writer warp
+
+// A warp's 16 key rows of dK (times 1 / sqrt(D)) and dV from its accumulators, rows from j0; rows
+// past T are left.
+template <int DP>
+__device__ __forceinline__ void store_key_rows(const float (&dk)[DP / 8][4], const float (&dv)[DP / 8][4], const GqaBwdParams& p,
+                                               int64_t b, int kvh, int j0, int lane, bool bf16) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int j = j0 + frag_row(lane, 2 * half);
+        if (j >= p.T) continue;
+        const int64_t row = (b * p.T + j) * p.Hkv + kvh;
+        uint16_t* dk_out = static_cast<uint16_t*>(p.dk) + row * DP;
+        uint16_t* dv_out = static_cast<uint16_t*>(p.dv) + row * DP;
+#pragma unroll
+        for (int n = 0; n < DP / 8; ++n) {
+            const int c = frag_col(lane, n, 2 * half);
+            store_pair(dk_out + c, dk[n][2 * half] * p.scale, dk[n][2 * half + 1] * p.scale, bf16);
+            store_pair(dv_out + c, dv[n][2 * half], dv[n][2 * half + 1], bf16);
+        }
+    }
+}
 
 template <class Pol>
 __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
@@ -334,20 +371,236 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
         }
     }
 
+    store_key_rows<DP>(dk, dv, p, b, kvh, kw0 + 16 * cw, lane, bf16);
+}
+
+// FusedTraits::kPipelined's kernel: the products of gqa_bwd_fused_kernel's step, reordered so
+// that the tensor pipe always holds issued work. Warpgroups 0 and 1 take 64 keys each; warpgroup 2
+// gives its registers to them and keeps two warps: the writer (warp 8, as kWriter's) and the
+// producer (warp 9), which loads step i's Q, dO, lse2 and delta into stage i % 2 once both
+// warpgroups have finished step i - 2's reads of it (empty_bar). A warpgroup's step i:
+//   wait S^T(i); P^T; issue dV(i) | wait dP^T(i); dS^T; issue dK(i) | dS^T(i) to buffer i % 2,
+//   barrier of the two warpgroups | issue dQ(i) | wait dV(i), dK(i): stage free | wait for step
+//   i + 1's stage, issue S^T(i + 1) | wait dQ(i), hand it to the writer | issue dP^T(i + 1).
+// The barrier of step i also tells each warpgroup that the other has finished dQ(i - 2), so dS^T
+// buffer i % 2 is free when step i writes it.
+template <class Pol>
+__global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
+    gqa_bwd_pipe_kernel(const GqaBwdParams p, const __grid_constant__ typename Pol::Maps maps) {
+    constexpr bool kBf16 = Pol::kBf16;
+    constexpr int DP = Pol::DP;
+    using Tr = FusedTraits<DP>;
+    static_assert(Tr::kPipelined && Tr::kWriter && Pol::kTma, "the pipelined step's layout");
+    if (*p.nonfinite) return;   // the row-wise kernels take this call
+    extern __shared__ __align__(16) unsigned char fused_smem[];
+    const uint32_t misaligned = static_cast<uint32_t>(__cvta_generic_to_shared(fused_smem)) & 1023u;
+    uint16_t* sK = reinterpret_cast<uint16_t*>(fused_smem + ((1024u - misaligned) & 1023u));
+    uint16_t* sV = sK + Tr::kKvHalves;
+    auto sQ = [&](int st) { return sV + Tr::kKvHalves + st * 2 * Tr::kRowHalves; };
+    auto sdO = [&](int st) { return sQ(st) + Tr::kRowHalves; };
+    auto sdS = [&](int j) { return sQ(2) + j * Tr::kDsHalves; };   // dS^T: [128 keys][64 query rows], swizzled
+    auto lse2_s = [&](int st) { return reinterpret_cast<float*>(sdS(2)) + st * 2 * Tr::kRows; };
+    auto delta_s = [&](int st) { return lse2_s(st) + Tr::kRows; };
+    float* held = delta_s(1) + Tr::kRows;   // the writer's buffers: [kAdders][2][4096]
+
+    const int64_t bh_count = int64_t(p.B) * p.Hkv;
+    const int kt = int(blockIdx.x / bh_count), bh = int(blockIdx.x % bh_count);
+    const int64_t b = bh / p.Hkv;
+    const int kvh = bh % p.Hkv, k0 = kt * Tr::kKeys, G = p.group, T = p.T;
+    const int n_q = (T + Tr::kRows - 1) / Tr::kRows;
+    const int steps = (n_q - 2 * kt) * G;   // query tiles 2 kt .. n_q - 1 see a key of this CTA
+    // The warp's index from lane 0, so that the compiler knows it to be the same across the warp
+    // (and branches on it not divergent around the products).
+    const int warp = __shfl_sync(0xffffffffu, int(threadIdx.x) / 32, 0), lane = threadIdx.x % 32, wg = warp / 4, cw = warp % 4;
+    const int gid = lane >> 2, tig = lane & 3;
+    auto step_tile = [&](int i) { return n_q - 1 - i / G; };
+    auto step_head = [&](int i) { return kvh * G + i % G; };
+    // full_bar[st]: the stage's copies landed (phase k: step st + 2 k); empty_bar[st]: the product
+    // threads have finished their reads of it (every thread arrives, after its own reads of the
+    // statistics, so that the order of those reads before the next copy is plain).
+    __shared__ uint64_t full_bar[2], empty_bar[2];
+    if (threadIdx.x == 0) {
+        for (int st = 0; st < 2; ++st) mbar_init(&full_bar[st], 1), mbar_init(&empty_bar[st], Tr::kMmaThreads);
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (wg == 2) {
+        regs_dec<Tr::kWriterRegs>();
+        if (warp == 9) {   // the producer
+            if (lane == 0)
+                for (int i = 0; i < steps; ++i) {
+                    const int st = i & 1, q0 = step_tile(i) * Tr::kRows, h = step_head(i);
+                    if (i >= 2) mbar_wait(&empty_bar[st], uint32_t(((i - 2) >> 1) & 1));
+                    const int64_t stat = bwd_stat_row(b, h, q0, p);
+                    Pol::load_step(maps, sQ(st), sdO(st), lse2_s(st), delta_s(st), p.lse2 + stat, p.delta + stat,
+                                   &full_bar[st], b, q0, h);
+                }
+            return;
+        }
+        if (warp != 8 || !Tr::kHandOverDq) return;
+        // The writer: step i's shares, in turn. Its reductions are not awaited before the next
+        // step's: the buffers go back once read (wait_group.read), and step i's turn is handed on
+        // once its reductions have completed, after step i + 1's are issued, so that neither the
+        // buffers nor the writer wait out the reductions' round trip to L2.
+        auto order_at = [&](int i) { return p.dq_order + (b * p.Hq + step_head(i)) * n_q + step_tile(i); };
+        for (int i = 0; i < steps; ++i) {
+            const int j = i & 1;
+            float* block = p.dq_accum + ((b * p.Hq + step_head(i)) * n_q + step_tile(i)) * int64_t(64 * DP);
+            if (lane == 0) {
+                while (Tr::kWriterTurns && load_acquire(order_at(i)) < Tr::kAdders * kt) {
+                }
+                fence_async_global();
+            }
+            __syncwarp();
+            for (int c = 0; c < Tr::kAdders; ++c) {
+                named_sync(dq_full_id(c, j), kHandOver);
+                if (lane == 0) bulk_reduce_add(block + c * Tr::kPieceFloats, held + (2 * c + j) * Tr::kPieceFloats, Tr::kPieceFloats * 4);
+            }
+            if (lane == 0) {
+                bulk_commit();
+                if (i > 0) {   // step i - 1's reductions complete: its turn goes on
+                    bulk_wait<1>();
+                    fence_async_global();
+                    add_release(order_at(i - 1), Tr::kAdders);
+                }
+                bulk_wait_read<0>();
+            }
+            __syncwarp();
+            if (i + 2 < steps)
+                for (int c = 0; c < Tr::kAdders; ++c) named_arrive(dq_empty_id(c, j), kHandOver);
+        }
+        if (lane == 0) {
+            bulk_wait<0>();
+            fence_async_global();
+            add_release(order_at(steps - 1), Tr::kAdders);
+        }
+        return;
+    }
+    regs_inc<Tr::kMmaRegs>();
+
+    const int kw0 = k0 + 64 * wg;   // this warpgroup's first key
+    const bool bf16 = kBf16;
+    swizzled_load<DP, 128, 256>(sK, static_cast<const uint16_t*>(p.k), b, k0, kvh, p.Hkv, T);
+    swizzled_load<DP, 128, 256>(sV, static_cast<const uint16_t*>(p.v), b, k0, kvh, p.Hkv, T);
+    cp_async_commit();
+    cp_async_wait<0>();
+    fence_async_proxy();
+    named_sync(1, Tr::kMmaThreads);
+
+    // Step i's dQ: at width 128 both warpgroups, 64 columns each; at width 64 warpgroup i % 2.
+    auto dq_here = [&](int i) { return DP == 128 || (i & 1) == wg; };
+    const int cb = DP == 128 ? wg : 0;
+    const int wt = threadIdx.x % 128;
+    float s[8][4], dp[8][4];
+    auto issue_s = [&](int i) {
+        const int st = i & 1;
+        mbar_wait(&full_bar[st], uint32_t((i >> 1) & 1));
+        qk_wgmma<kBf16, DP, 128, 64>(s, sK, 64 * wg, sQ(st));    // S^T of this warpgroup's keys
+        wg_commit();
+    };
+    auto issue_dp = [&](int i) {
+        qk_wgmma<kBf16, DP, 128, 64>(dp, sV, 64 * wg, sdO(i & 1));  // dP^T
+        wg_commit();
+    };
+    float dk[DP / 8][4] = {}, dv[DP / 8][4] = {};
+    float dq[8][4];
+    // dV(i) and dK(i) have completed: this warp's reads of stage st are done.
+    auto release = [&](int st) {
+        fence_regs(reinterpret_cast<float(&)[DP / 2]>(dv));
+        fence_regs(reinterpret_cast<float(&)[DP / 2]>(dk));
+        mbar_arrive(&empty_bar[st]);
+    };
+    // Step i's share, complete, to the writer through buffer i % 2 of this warpgroup's columns.
+    auto hand_dq = [&](int i) {
+        const int j = i & 1;
+        fence_regs(reinterpret_cast<float(&)[32]>(dq));
+        float* buffer = held + (cb * 2 + j) * Tr::kPieceFloats;
+        if (i >= 2) named_sync(dq_empty_id(cb, j), kHandOver);
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int j = kw0 + 16 * cw + frag_row(lane, 2 * half);
-        if (j >= T) continue;
-        const int64_t row = (b * T + j) * p.Hkv + kvh;
-        uint16_t* dk_out = static_cast<uint16_t*>(p.dk) + row * DP;
-        uint16_t* dv_out = static_cast<uint16_t*>(p.dv) + row * DP;
+        for (int n = 0; n < 8; ++n)
+            reinterpret_cast<float4*>(buffer)[128 * n + wt] = make_float4(dq[n][0], dq[n][1], dq[n][2], dq[n][3]);
+        fence_async_proxy();
+        named_arrive(dq_full_id(cb, j), kHandOver);
+    };
+    for (int i = 0; i < steps; ++i) {
+        const int st = i & 1, j = i & 1, q0 = step_tile(i) * Tr::kRows;
+        issue_s(i);
+        issue_dp(i);
+        const float* lse2_t = lse2_s(st);
+        const float* delta_t = delta_s(st);
+        const bool edge = q0 < kw0 + 64 || q0 + Tr::kRows > T || kw0 + 64 > T;
+        const int j_base = kw0 + 16 * cw;
+        float column[kTile / 8][2];
+        read_columns<Pol::kPairedStats>(column, lse2_t, lane);
+        wg_wait<1>();   // S^T(i); dP^T(i) still running
+        fence_regs(reinterpret_cast<float(&)[32]>(s));
 #pragma unroll
-        for (int n = 0; n < DP / 8; ++n) {
-            const int c = frag_col(lane, n, 2 * half);
-            store_pair(dk_out + c, dk[n][2 * half] * p.scale, dk[n][2 * half + 1] * p.scale, bf16);
-            store_pair(dv_out + c, dv[n][2 * half], dv[n][2 * half + 1], bf16);
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[n][e] = fast_exp2(s[n][e] * p.scale_log2 - column[n][e & 1]);
+        if (edge) {
+#pragma unroll
+            for (int n = 0; n < 8; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int jk = j_base + frag_row(lane, e), t = q0 + frag_col(lane, n, e);
+                    if (t < jk || t >= T || jk >= T) s[n][e] = 0.f;   // P^T
+                }
+        }
+        uint32_t pa[4][4], pa2[4][4];
+        pack_p<kBf16>(pa, s);
+        pv_wgmma<kBf16, DP, 64>(dv, pa, sdO(st));   // dV += P^T dO
+        wg_commit();
+        read_columns<Pol::kPairedStats>(column, delta_t, lane);
+        wg_wait<1>();   // dP^T(i); dV(i) still running
+        fence_regs(reinterpret_cast<float(&)[32]>(dp));
+#pragma unroll
+        for (int n = 0; n < 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - column[n][e & 1]);   // dS^T
+        pack_p<kBf16>(pa2, dp);
+        pv_wgmma<kBf16, DP, 64>(dk, pa2, sQ(st));   // dK += dS^T Q
+        wg_commit();
+        {   // dS^T into buffer j: row = key (this warp's 16 of the CTA's 128), column = query row
+            unsigned char* ds = reinterpret_cast<unsigned char*>(sdS(j));
+            const int r0 = 64 * wg + 16 * cw + gid;
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) {
+                const int c0 = 16 * ks + 2 * tig;
+                *reinterpret_cast<uint32_t*>(ds + sw128_offset(r0, c0, 128)) = pa2[ks][0];
+                *reinterpret_cast<uint32_t*>(ds + sw128_offset(r0 + 8, c0, 128)) = pa2[ks][1];
+                *reinterpret_cast<uint32_t*>(ds + sw128_offset(r0, c0 + 8, 128)) = pa2[ks][2];
+                *reinterpret_cast<uint32_t*>(ds + sw128_offset(r0 + 8, c0 + 8, 128)) = pa2[ks][3];
+            }
+        }
+        fence_async_proxy();
+        named_sync(1, Tr::kMmaThreads);   // both warpgroups' dS^T(i); both finished dQ(i - 2)
+        const bool mine = dq_here(i);
+        if (mine) {   // dQ's share: 64 query rows x columns 64 cb .. + 63, over the 128 keys
+            const unsigned char* a = reinterpret_cast<const unsigned char*>(sdS(j));
+            const unsigned char* kb = reinterpret_cast<const unsigned char*>(sK) + cb * 128 * 128;
+            const uint64_t ad = wg_desc(a, 128 * 128, 1024), kd = wg_desc(kb, 128 * 128, 1024);
+            wg_fence();
+#pragma unroll
+            for (int ks = 0; ks < 8; ++ks)
+                wgmma_ss_n64<kBf16, 1, 1>(reinterpret_cast<float(&)[32]>(dq), wg_desc_at(ad, ks * 16 * 128),
+                                          wg_desc_at(kd, ks * 16 * 128), ks > 0);
+            wg_commit();
+            wg_wait<1>();   // dV(i) and dK(i); dQ(i) still running
+            release(st);
+            wg_wait<0>();
+            if (Tr::kHandOverDq) hand_dq(i);
+        } else {
+            wg_wait<0>();
+            release(st);
         }
     }
+    wg_wait<0>();   // (nothing runs here; the compiler cannot tell that steps > 0)
+    fence_regs(reinterpret_cast<float(&)[DP / 2]>(dv));
+    fence_regs(reinterpret_cast<float(&)[DP / 2]>(dk));
+
+    store_key_rows<DP>(dk, dv, p, b, kvh, kw0 + 16 * cw, lane, bf16);
 }
 
 // dQ = the fp32 sum times 1 / sqrt(D), in the input dtype: a thread a float4 of the blocks (two
@@ -384,14 +637,24 @@ cudaError_t fused_launch(const GqaBwdParams& p, cudaStream_t stream, int dev) {
     const int64_t stats_ctas = (q_tiles + Pol::kRowGroups - 1) / Pol::kRowGroups * p.B * p.Hq, fused_ctas = key_tiles * p.B * p.Hkv;
     if (stats_ctas > 0x7fffffff || fused_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
     cudaError_t err = raise_smem_limit(gqa_bwd_dq_kernel<Pol, true>, BwdSmem<Pol>::kDq, dev, raised_stats);
-    if (err == cudaSuccess) err = raise_smem_limit(gqa_bwd_fused_kernel<Pol>, Tr::kSmem, dev, raised_fused);
+    if (err == cudaSuccess) {
+        if constexpr (Tr::kPipelined) {
+            err = raise_smem_limit(gqa_bwd_pipe_kernel<Pol>, Tr::kSmem, dev, raised_fused);
+        } else {
+            err = raise_smem_limit(gqa_bwd_fused_kernel<Pol>, Tr::kSmem, dev, raised_fused);
+        }
+    }
     typename Pol::Maps maps;
     if (err == cudaSuccess) err = Pol::make_maps(p, &maps);
     if (err == cudaSuccess)
         err = cudaMemsetAsync(p.dq_accum, 0, gqa_fused_dq_floats(p) * sizeof(float), stream);
     if (err != cudaSuccess) return err;
     gqa_bwd_dq_kernel<Pol, true><<<unsigned(stats_ctas), kThreads * Pol::kRowGroups, BwdSmem<Pol>::kDq, stream>>>(p, maps);
-    gqa_bwd_fused_kernel<Pol><<<unsigned(fused_ctas), Tr::kThreads, Tr::kSmem, stream>>>(p, maps);
+    if constexpr (Tr::kPipelined) {
+        gqa_bwd_pipe_kernel<Pol><<<unsigned(fused_ctas), Tr::kThreads, Tr::kSmem, stream>>>(p, maps);
+    } else {
+        gqa_bwd_fused_kernel<Pol><<<unsigned(fused_ctas), Tr::kThreads, Tr::kSmem, stream>>>(p, maps);
+    }
     const int64_t quads = int64_t(p.B) * p.Hq * ((p.T + 63) / 64) * 16 * DP;
     const int64_t blocks = (quads + 255) / 256 < 4096 ? (quads + 255) / 256 : 4096;
     gqa_bwd_dq_store_kernel<kBf16, DP><<<unsigned(blocks), 256, 0, stream>>>(p, quads);
