@@ -2,7 +2,10 @@
 profiler, at the benchmark's backward shapes or one given shape (GPU only). The benchmark times
 the backward as a whole; this says which kernel a change should aim at.
 
-    python3 bench/backward_kernels.py [B T Hq Hkv D] [--dtype bf16|fp16|fp32] [--calls N]
+    python3 bench/backward_kernels.py [B T Hq Hkv D] [--dtype bf16|fp16|fp32] [--calls N] [--call]
+
+--call also times the backward as the benchmark does (forward + backward minus forward, do_bench
+medians after an L2 flush) in the same process, so that time outside the kernels shows.
 """
 import argparse
 import collections
@@ -44,6 +47,7 @@ def main():
     parser.add_argument("shape", nargs="*", type=int)
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--calls", type=int, default=10)
+    parser.add_argument("--call", action="store_true", help="also the benchmark's time of the backward call")
     args = parser.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     for shape in [tuple(args.shape)] if args.shape else SHAPES:
@@ -53,6 +57,12 @@ def main():
             *(torch.empty(shape[0], shape[1], h, shape[4], device="cuda", dtype=dtype) for h in (shape[2], shape[3], shape[3]))), whole))
         for name, (us, launches) in sorted(times.items(), key=lambda item: -item[1][0]):
             print("  %9.1f us %5.1f%%  x%-3g %s" % (us, 100 * us / whole, launches, name[:110]))
+        if args.call:
+            from gqa_bench.timing import Timer   # (the script's folder, bench/, is on the path)
+            B, T, Hq, Hkv, D = shape
+            inputs = [torch.randn(B, T, h, D, device="cuda").to(dtype) for h in (Hq, Hkv, Hkv)]
+            call_us = 1e3 * Timer(torch).time_backward(gqa_module.causal_gqa_attention, inputs)
+            print("  call (the benchmark's method): %.1f us, %.1f us over the kernels" % (call_us, call_us - whole))
 
 
 if __name__ == "__main__":
