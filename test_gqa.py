@@ -1894,8 +1894,9 @@ def test_gpu_fused_backward_within_twice_sdpa(B, T, Hq, Hkv, min_t, uneven, dtyp
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_fused_backward_deterministic_and_nonfinite_like_reference(dtype, monkeypatch):
     """The fused kernel (taken here from 129 query rows): bitwise the same gradients in two runs;
-    with Inf and NaN in q, k, v, or one NaN at the last element of grad_out, NaN exactly where
-    float64 autograd's gradients are, and within 2e-2 of them elsewhere."""
+    with Inf and NaN in q, k, v, with Inf in k alone or NaN in v alone (which only the fused
+    kernel's own check of its K and V tiles sees), or one NaN at the last element of grad_out,
+    NaN exactly where float64 autograd's gradients are, and within 2e-2 of them elsewhere."""
     T, D = 300, 128
     if tensor_core_backward(T, D) != "bwdwg":
         pytest.skip("the fused kernel is the wgmma unit's: an sm_90a build on an H100 or H200")
@@ -1911,7 +1912,13 @@ def test_gpu_fused_backward_deterministic_and_nonfinite_like_reference(dtype, mo
     v[0, 200, 1, 7] = float("nan")
     poisoned_out = grad_out.clone()
     poisoned_out.view(-1)[-1] = float("nan")
-    for case, tensors in (("inputs", (q, k, v, grad_out)), ("grad_out", (*make_qkv(2, T, 8, 2, D, device="cuda", dtype=dtype), poisoned_out))):
+    k_inf = make_qkv(2, T, 8, 2, D, device="cuda", dtype=dtype)
+    k_inf[1][1, 250, 1, 100] = float("inf")
+    v_nan = make_qkv(2, T, 8, 2, D, device="cuda", dtype=dtype)
+    v_nan[2][0, 3, 0, 64] = float("nan")
+    cases = (("inputs", (q, k, v, grad_out)), ("grad_out", (*make_qkv(2, T, 8, 2, D, device="cuda", dtype=dtype), poisoned_out)),
+             ("k alone", (*k_inf, grad_out)), ("v alone", (*v_nan, grad_out)))
+    for case, tensors in cases:
         for grad_name, got, ref in zip(("dq", "dk", "dv"), project_grads(*tensors), reference_grads(*tensors)):
             assert torch.equal(torch.isnan(got), torch.isnan(ref)), (case, grad_name)
             finite = torch.isfinite(ref)

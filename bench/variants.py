@@ -25,6 +25,7 @@ WS = "kernels/ws/kernel.cuh"
 FUSED = ("kernels/gqa_params.h", "kGqaFusedBackward = false;", "kGqaFusedBackward = true;")   # at every T, widths 64, 128
 DQ_ADD = ("kernels/bwdwg/fused.cuh", "kDqAdd = DqAdd::kTurn;")   # the fused kernel's dQ add (FusedTraits)
 SERIAL = (DQ_ADD[0], "kPipelined = true;", "kPipelined = false;")   # the fused kernel's serial step (v53-v54, v89)
+SCANNED = ("kernels/gqa_params.h", "kGqaFusedScanFree = true;", "kGqaFusedScanFree = false;")   # the inputs' scan first (v95)
 TWO_KERNELS = ("kernels/gqa_params.h", "kGqaFusedBackwardMinT = 8192;", "kGqaFusedBackwardMinT = 1 << 30;")
 X3 = "kernels/bwdx3/bwdx3.cu"
 BWD = "kernels/bwdmma/kernels.cuh"   # the two wgmma/mma.sync backward kernels
@@ -37,11 +38,13 @@ VARIANTS = {
     "base": [],
     "fused_backward": [FUSED],
     "two_kernel_backward": [TWO_KERNELS],
-    "serial_fused_turn": [FUSED, SERIAL],
-    "atomic_dq_add": [FUSED, SERIAL, (DQ_ADD[0], DQ_ADD[1], "kDqAdd = DqAdd::kRed;")],
-    "writer_dq_add": [FUSED, SERIAL, (DQ_ADD[0], DQ_ADD[1], "kDqAdd = DqAdd::kWriter;")],
+    "serial_fused_turn": [FUSED, SERIAL, SCANNED],
+    "atomic_dq_add": [FUSED, SERIAL, SCANNED, (DQ_ADD[0], DQ_ADD[1], "kDqAdd = DqAdd::kRed;")],
+    "writer_dq_add": [FUSED, SERIAL, SCANNED, (DQ_ADD[0], DQ_ADD[1], "kDqAdd = DqAdd::kWriter;")],
     "fused_no_turns": [FUSED, (DQ_ADD[0], "kWriterTurns = true,", "kWriterTurns = false,")],
     "fused_no_dq_adds": [FUSED, (DQ_ADD[0], "kHandOverDq = true;", "kHandOverDq = false;")],
+    "dq_store_kernel": [(DQ_ADD[0], "kLastWrites = kPipelined;", "kLastWrites = false;")],
+    "inputs_scan": [SCANNED],
     "rowwise_backward_at_256": [("kernels/attention.cu", "kWgAt256 = true;", "kWgAt256 = false;")],
     "not_persistent": [(WS, "kPersistent = true;", "kPersistent = false;")],
     "round_robin_walk": [(WS, "((k & 1) ? G - 1 - c : c)", "c")],

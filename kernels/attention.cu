@@ -177,7 +177,7 @@ const char* gqa_backward_plan(const GqaBwdParams& p) {
                                              {"bwdwg/bf16/d64/fused", "bwdwg/bf16/d128/fused"}};
     if (p.dtype < 0 || p.dtype > 2) return "?";
     const BwdKind kind = backward_kind(p);
-    if (p.fused && kind == kBwdWg && p.dtype != kGqaFloat32 && p.D != 256) return kFused[p.dtype - 1][width_index(p.D)];
+    if (p.fused) return kFused[p.dtype - 1][width_index(p.D)];   // (gqa_backward_fused: wgmma, 16-bit, width 64 or 128)
     return kind == kBwdRows ? kRows[p.dtype] : backward_unit_name(kind, p.dtype, p.D);
 }
 
@@ -194,7 +194,7 @@ bool gqa_backward_fused(const GqaBwdParams& p) {
 int64_t gqa_backward_workspace_floats(const GqaBwdParams& p) {
     const BwdKind kind = backward_kind(p);
     if (kind == kBwdX3) return gqa_x3_bwd_floats(p);
-    return p.fused && kind == kBwdWg ? gqa_fused_dq_floats(p) : 0;
+    return p.fused ? gqa_fused_dq_floats(p) : 0;
 }
 
 int gqa_backward(const GqaBwdParams& params, void* stream) {
@@ -206,11 +206,11 @@ int gqa_backward(const GqaBwdParams& params, void* stream) {
     if (kind == kBwdRows) return int(backward_rows(p, s));
     const GqaBwdLauncher launch = backward_launcher(kind, p.dtype, p.D);
     if (launch == nullptr) return kGqaModuleUnavailable;
-    // The tensor-core kernels, which flag Inf or NaN in their inputs as they read them (the fused
-    // kernel's unit after a scan of the inputs, which flags them first), then the row-wise ones,
-    // which do nothing unless flagged: no host round trip.
-    const bool fused = p.fused && kind == kBwdWg;
-    cudaError_t err = fused ? scan_nonfinite(p, s) : cudaMemsetAsync(p.nonfinite, 0, sizeof(int), s);
+    // The tensor-core kernels, which flag Inf or NaN in their inputs as they read them (without
+    // kGqaFusedScanFree the fused kernel's unit after a scan of the inputs, which flags them
+    // first), then the row-wise ones, which do nothing unless flagged: no host round trip.
+    const bool scan = p.fused && !kGqaFusedScanFree;
+    cudaError_t err = scan ? scan_nonfinite(p, s) : cudaMemsetAsync(p.nonfinite, 0, sizeof(int), s);
     if (err != cudaSuccess) return int(err);
     const int launched = launch(&p, stream);
     if (launched != 0) return launched;

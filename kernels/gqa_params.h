@@ -45,6 +45,11 @@ struct GqaParams {
 constexpr int kGqaFusedBackwardMinT = 8192;
 // For measurement: the fused kernel at widths 64 and 128 for every T.
 constexpr bool kGqaFusedBackward = false;
+// The fused kernel without a scan of the inputs before it: the statistics pass flags Inf or NaN in
+// q, o and dout (bit 0 of GqaBwdParams::nonfinite), the fused kernel in its own K and V tiles (bit
+// 1), and it returns early on bit 0 alone, which every one of its CTAs sees alike (bench/NOTES.md
+// v95).
+constexpr bool kGqaFusedScanFree = true;
 
 // The backward's inputs and outputs: every tensor contiguous, q, o, dout and dq (B, T, Hq, D), k, v,
 // dk and dv (B, T, Hkv, D), in one dtype; lse2 and delta are scratch of gqa_bwd_stat_floats each.
@@ -59,9 +64,9 @@ struct GqaBwdParams {
     void* dv;
     float* lse2;        // per query row: log2 of the softmax's sum of 2^(s * log2(e))
     float* delta;       // per query row: dout . o
-    // Zero before the tensor-core kernels, which set it to 1 when they find Inf or NaN in q, k, v,
-    // o or dout (or the fused kernel's scan does, before it): the row-wise kernels, told to by
-    // rows_if_nonfinite, then redo the call. A tile product multiplies masked zeros by the values
+    // Zero before the tensor-core kernels, which set it (not zero) when they find Inf or NaN in q,
+    // k, v, o or dout (or the fused kernel's scan does, before it; kGqaFusedScanFree): the row-wise
+    // kernels, told to by rows_if_nonfinite, then redo the call. A tile product multiplies masked zeros by the values
     // of keys and queries the row does not attend, and 0 * Inf is NaN.
     int* nonfinite;
     // Scratch of the wgmma unit's fused kernel (gqa_fused_dq_floats; null elsewhere, 16-byte

@@ -15,7 +15,10 @@
 //     the step's products so that the tensor pipe keeps issued work and adds the shares from a
 //     writer warp; gqa_bwd_fused_kernel, its serial predecessor, stays for measurement with the
 //     forms of FusedTraits::kDqAdd.
-//  3. dQ = the sum times 1 / sqrt(D), in the input dtype, rows back in [B, T, Hq, D] order.
+//  3. dQ = the sum times 1 / sqrt(D), in the input dtype, rows back in [B, T, Hq, D] order: in
+//     the pipelined kernel (FusedTraits::kLastWrites) by the warpgroups of each block's last key
+//     tile, which add their share to the sum read back from L2; in the serial kernel by a third
+//     kernel.
 // Deterministic (in every kDqAdd but kRed): every sum runs in a fixed order.
 #ifndef GQA_BWDWG_FUSED_CUH
 #define GQA_BWDWG_FUSED_CUH
@@ -43,11 +46,18 @@ template <int DP> struct FusedTraits {
     enum class DqAdd { kTurn, kRed, kWriter };
     static constexpr DqAdd kDqAdd = DqAdd::kTurn;
     // The pipelined step (gqa_bwd_pipe_kernel, bench/NOTES.md v91, v92): a producer warp loads each
-    // step's Q, dO and statistics into a ring of two stages, dS^T has two buffers, and each
-    // warpgroup issues the next step's S^T and dP^T before it waits for this step's dQ share, which
-    // the writer warp adds in turn (kWriter's hand-over). At width 64 the warpgroups take the dQ
-    // products in turn, a step each.
+    // step's Q, dO and statistics into a ring of two stages, dS^T has two buffers, dQ(i) is issued
+    // while dV(i) and dK(i) still run, and its share goes to the writer warp, which adds it in turn
+    // (kWriter's hand-over); step i + 1's S^T and dP^T are issued after that hand-over (issuing them
+    // before it serialises the products: v94). At width 64 the warpgroups take the dQ products in
+    // turn, a step each.
     static constexpr bool kPipelined = true;
+    // The pipelined kernel writes dQ itself (bench/NOTES.md v93, v96): a block's last key tile
+    // (query tiles 2 kt and 2 kt + 1, the CTA's last steps) adds its share from the warpgroups'
+    // registers to the sum read back from L2 and writes the block as dQ, so no store kernel runs.
+    // False: every share goes through the writer and gqa_bwd_dq_store_kernel writes dQ.
+    static constexpr bool kLastWrites = kPipelined;
+    static_assert(kPipelined || !kGqaFusedScanFree, "the serial kernel returns on the inputs' scan's flag");
     // Instruments of the pipelined kernel, both true in use. kWriterTurns false: the writer adds
     // without waiting for the turn (not deterministic). kHandOverDq false: the dQ shares are
     // dropped (dQ is wrong), which leaves the products' own schedule.
@@ -57,6 +67,12 @@ template <int DP> struct FusedTraits {
     static constexpr int kThreads = kMmaThreads + (kWriter ? 128 : 0);
     static constexpr int kMmaRegs = 240, kWriterRegs = 24;           // kWriter: setmaxnreg
     static_assert(kMmaRegs * kMmaThreads + kWriterRegs * 128 <= 65536, "the register file holds every warpgroup");
+    // The launch gives each thread 65536 / kThreads registers, rounded down to 8; the products'
+    // increase waits until the writer warpgroup's decrease has freed what it takes, so a writer
+    // above 24 (with two warpgroups at 240) hangs the kernel (bench/NOTES.md v96).
+    static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+    static_assert(!kWriter || (kLaunchRegs - kWriterRegs) * 128 >= (kMmaRegs - kLaunchRegs) * kMmaThreads,
+                  "the writer warpgroup frees the registers the products take");
     static constexpr int kAdders = DP == 128 ? 2 : 1;   // warpgroups with dQ columns (64 each)
     static constexpr int kPieceFloats = 64 * 64;        // one warpgroup's share of a block
     // K, V, two stages of (Q, dO), dS^T, two stages of (lse2, delta), then kWriter's buffers; 1024
@@ -95,6 +111,24 @@ __device__ __forceinline__ void named_arrive(int id, int count) { asm volatile("
 __device__ __forceinline__ int dq_full_id(int c, int j) { return 2 + 2 * c + j; }
 __device__ __forceinline__ int dq_empty_id(int c, int j) { return 6 + 2 * c + j; }
 constexpr int kHandOver = 128 + 32;   // a warpgroup and the writer warp
+// Named barrier of warpgroup wg's 128 threads alone (the pipelined kernel's last key tile).
+__device__ __forceinline__ int warpgroup_bar_id(int wg) { return 10 + wg; }
+
+// A warp's dS^T into the swizzled [128 keys][64 query rows] tile ds: row = key (its 16 of the
+// CTA's 128 from r0 = 64 wg + 16 cw + lane / 4), column = query row, from its packed form (pack_p:
+// k-step ks holds columns 16 ks .. + 15 of rows lane / 4 and lane / 4 + 8).
+__device__ __forceinline__ void store_ds_t(uint16_t* tile, const uint32_t (&pa)[4][4], int wg, int cw, int lane) {
+    unsigned char* ds = reinterpret_cast<unsigned char*>(tile);
+    const int r0 = 64 * wg + 16 * cw + (lane >> 2);
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+        const int c0 = 16 * ks + 2 * (lane & 3);
+        *reinterpret_cast<uint32_t*>(ds + sw128_offset(r0, c0, 128)) = pa[ks][0];
+        *reinterpret_cast<uint32_t*>(ds + sw128_offset(r0 + 8, c0, 128)) = pa[ks][1];
+        *reinterpret_cast<uint32_t*>(ds + sw128_offset(r0, c0 + 8, 128)) = pa[ks][2];
+        *reinterpret_cast<uint32_t*>(ds + sw128_offset(r0 + 8, c0 + 8, 128)) = pa[ks][3];
+    }
+}
 
 // A warp's 16 key rows of dK (times 1 / sqrt(D)) and dV from its accumulators, rows from j0; rows
 // past T are left.
@@ -145,7 +179,6 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
     const int n_q = (T + Tr::kRows - 1) / Tr::kRows;
     const int steps = (n_q - 2 * kt) * G;   // query tiles 2 kt .. n_q - 1 see a key of this CTA
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wg = warp / 4, cw = warp % 4;
-    const int gid = lane >> 2, tig = lane & 3;
     // Pol::kTma: a step's Q, dO, lse2 and delta by TMA from thread 0, landing on its stage's barrier.
     __shared__ uint64_t landed_bar[2];
     if constexpr (Pol::kTma) {
@@ -327,20 +360,7 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
         pack_p<kBf16>(pa2, dp);
         pv_wgmma<kBf16, DP, 64>(dk, pa2, sQ(st));   // dK += dS^T Q
         wg_commit();
-        // dS^T into shared memory: row = key (this warp's 16 of the CTA's 128), column = query row,
-        // from its packed form (pack_p: k-step ks holds columns 16 ks .. + 15 of rows gid, gid + 8).
-        {
-            unsigned char* ds = reinterpret_cast<unsigned char*>(sdS);
-            const int r0 = 64 * wg + 16 * cw + gid;
-#pragma unroll
-            for (int ks = 0; ks < 4; ++ks) {
-                const int c0 = 16 * ks + 2 * tig;
-                *reinterpret_cast<uint32_t*>(ds + sw128_offset(r0, c0, 128)) = pa2[ks][0];
-                *reinterpret_cast<uint32_t*>(ds + sw128_offset(r0 + 8, c0, 128)) = pa2[ks][1];
-                *reinterpret_cast<uint32_t*>(ds + sw128_offset(r0, c0 + 8, 128)) = pa2[ks][2];
-                *reinterpret_cast<uint32_t*>(ds + sw128_offset(r0 + 8, c0 + 8, 128)) = pa2[ks][3];
-            }
-        }
+        store_ds_t(sdS, pa2, wg, cw, lane);
         fence_async_proxy();
         wg_wait<0>();
         fence_regs(reinterpret_cast<float(&)[DP / 2]>(dv));
@@ -375,15 +395,18 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
 }
 
 // FusedTraits::kPipelined's kernel: the products of gqa_bwd_fused_kernel's step, reordered so
-// that the tensor pipe always holds issued work. Warpgroups 0 and 1 take 64 keys each; warpgroup 2
-// gives its registers to them and keeps two warps: the writer (warp 8, as kWriter's) and the
-// producer (warp 9), which loads step i's Q, dO, lse2 and delta into stage i % 2 once both
-// warpgroups have finished step i - 2's reads of it (empty_bar). A warpgroup's step i:
-//   wait S^T(i); P^T; issue dV(i) | wait dP^T(i); dS^T; issue dK(i) | dS^T(i) to buffer i % 2,
-//   barrier of the two warpgroups | issue dQ(i) | wait dV(i), dK(i): stage free | wait for step
-//   i + 1's stage, issue S^T(i + 1) | wait dQ(i), hand it to the writer | issue dP^T(i + 1).
+// that the tensor pipe holds issued work for longer. Warpgroups 0 and 1 take 64 keys each;
+// warpgroup 2 gives its registers to them and keeps two warps: the writer (warp 8, as kWriter's)
+// and the producer (warp 9), which loads step i's Q, dO, lse2 and delta into stage i % 2 once
+// both warpgroups have finished step i - 2's reads of it (empty_bar). A warpgroup's step i:
+//   wait for stage i % 2, issue S^T(i) and dP^T(i) | wait S^T(i); P^T; issue dV(i) | wait dP^T(i);
+//   dS^T; issue dK(i) | dS^T(i) to buffer i % 2, barrier of the two warpgroups | issue dQ(i) |
+//   wait dV(i), dK(i): stage free | wait dQ(i), hand it to the writer (kLastWrites: on the CTA's
+//   last query tiles, add it to the sum and write dQ).
 // The barrier of step i also tells each warpgroup that the other has finished dQ(i - 2), so dS^T
-// buffer i % 2 is free when step i writes it.
+// buffer i % 2 is free when step i writes it. With kGqaFusedScanFree the kernel checks its own K
+// and V tiles for Inf and NaN (bit 1 of the flag); the statistics pass has checked the rest (bit
+// 0), and on bit 0 every CTA returns at once, so no key tile waits for a turn that never comes.
 template <class Pol>
 __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
     gqa_bwd_pipe_kernel(const GqaBwdParams p, const __grid_constant__ typename Pol::Maps maps) {
@@ -391,7 +414,7 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
     constexpr int DP = Pol::DP;
     using Tr = FusedTraits<DP>;
     static_assert(Tr::kPipelined && Tr::kWriter && Pol::kTma, "the pipelined step's layout");
-    if (*p.nonfinite) return;   // the row-wise kernels take this call
+    if (*p.nonfinite & (kGqaFusedScanFree ? 1 : ~0)) return;   // the row-wise kernels take this call
     extern __shared__ __align__(16) unsigned char fused_smem[];
     const uint32_t misaligned = static_cast<uint32_t>(__cvta_generic_to_shared(fused_smem)) & 1023u;
     uint16_t* sK = reinterpret_cast<uint16_t*>(fused_smem + ((1024u - misaligned) & 1023u));
@@ -409,10 +432,12 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
     const int kvh = bh % p.Hkv, k0 = kt * Tr::kKeys, G = p.group, T = p.T;
     const int n_q = (T + Tr::kRows - 1) / Tr::kRows;
     const int steps = (n_q - 2 * kt) * G;   // query tiles 2 kt .. n_q - 1 see a key of this CTA
+    // Steps whose dQ share goes to the writer: all, or with kLastWrites all but those of query
+    // tiles 2 kt and 2 kt + 1, whose blocks no later key tile adds to.
+    const int handed = Tr::kLastWrites ? G * max(n_q - 2 * kt - 2, 0) : steps;
     // The warp's index from lane 0, so that the compiler knows it to be the same across the warp
     // (and branches on it not divergent around the products).
     const int warp = __shfl_sync(0xffffffffu, int(threadIdx.x) / 32, 0), lane = threadIdx.x % 32, wg = warp / 4, cw = warp % 4;
-    const int gid = lane >> 2, tig = lane & 3;
     auto step_tile = [&](int i) { return n_q - 1 - i / G; };
     auto step_head = [&](int i) { return kvh * G + i % G; };
     // full_bar[st]: the stage's copies landed (phase k: step st + 2 k); empty_bar[st]: the product
@@ -444,7 +469,7 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
         // once its reductions have completed, after step i + 1's are issued, so that neither the
         // buffers nor the writer wait out the reductions' round trip to L2.
         auto order_at = [&](int i) { return p.dq_order + (b * p.Hq + step_head(i)) * n_q + step_tile(i); };
-        for (int i = 0; i < steps; ++i) {
+        for (int i = 0; i < handed; ++i) {
             const int j = i & 1;
             float* block = p.dq_accum + ((b * p.Hq + step_head(i)) * n_q + step_tile(i)) * int64_t(64 * DP);
             if (lane == 0) {
@@ -467,13 +492,13 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
                 bulk_wait_read<0>();
             }
             __syncwarp();
-            if (i + 2 < steps)
+            if (i + 2 < handed)
                 for (int c = 0; c < Tr::kAdders; ++c) named_arrive(dq_empty_id(c, j), kHandOver);
         }
-        if (lane == 0) {
+        if (lane == 0 && handed > 0) {
             bulk_wait<0>();
             fence_async_global();
-            add_release(order_at(steps - 1), Tr::kAdders);
+            add_release(order_at(handed - 1), Tr::kAdders);
         }
         return;
     }
@@ -487,6 +512,10 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
     cp_async_wait<0>();
     fence_async_proxy();
     named_sync(1, Tr::kMmaThreads);
+    if constexpr (kGqaFusedScanFree) {   // Inf or NaN in K or V (4 tiles of 64 rows from sK)
+        const bool bad = tiles_nonfinite<Pol, 4, Tr::kMmaThreads>(sK, bf16);
+        if (__any_sync(0xffffffffu, bad) && lane == 0) atomicOr(p.nonfinite, 2);
+    }
 
     // Step i's dQ: at width 128 both warpgroups, 64 columns each; at width 64 warpgroup i % 2.
     auto dq_here = [&](int i) { return DP == 128 || (i & 1) == wg; };
@@ -522,6 +551,35 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
             reinterpret_cast<float4*>(buffer)[128 * n + wt] = make_float4(dq[n][0], dq[n][1], dq[n][2], dq[n][3]);
         fence_async_proxy();
         named_arrive(dq_full_id(cb, j), kHandOver);
+    };
+    // kLastWrites: step i's share, this block's last, added to the sum of the key tiles before
+    // this one (none at kt = 0) once they have added theirs, then written as dQ (times 1 / sqrt(D),
+    // the input dtype) from the accumulator's layout: float4 n of thread wt holds columns 8 n +
+    // 2 (lane % 4) + {0, 1} of rows 16 (wt / 32) + lane / 4 and 8 below it; rows past T are left.
+    auto write_dq = [&](int i) {
+        fence_regs(reinterpret_cast<float(&)[32]>(dq));
+        const int h = step_head(i), t = step_tile(i) * Tr::kRows + 16 * (wt / 32) + (lane >> 2);
+        const int64_t block = (b * p.Hq + h) * n_q + step_tile(i);
+        if (kt > 0) {
+            if (wt == 0)
+                while (load_acquire(p.dq_order + block) < Tr::kAdders * kt) {
+                }
+            named_sync(warpgroup_bar_id(wg), 128);
+            const float4* piece = reinterpret_cast<const float4*>(p.dq_accum + block * (64 * DP) + Tr::kPieceFloats * cb) + wt;
+#pragma unroll
+            for (int n = 0; n < 8; ++n) {
+                const float4 x = __ldcg(piece + 128 * n);
+                dq[n][0] += x.x, dq[n][1] += x.y, dq[n][2] += x.z, dq[n][3] += x.w;
+            }
+        }
+        uint16_t* out = static_cast<uint16_t*>(p.dq) + ((b * T + t) * p.Hq + h) * DP + 64 * cb + 2 * (lane & 3);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            if (t + 8 * half >= T) continue;
+#pragma unroll
+            for (int n = 0; n < 8; ++n)
+                store_pair(out + 8 * half * int64_t(p.Hq) * DP + 8 * n, dq[n][2 * half] * p.scale, dq[n][2 * half + 1] * p.scale, bf16);
+        }
     };
     for (int i = 0; i < steps; ++i) {
         const int st = i & 1, j = i & 1, q0 = step_tile(i) * Tr::kRows;
@@ -562,18 +620,7 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
         pack_p<kBf16>(pa2, dp);
         pv_wgmma<kBf16, DP, 64>(dk, pa2, sQ(st));   // dK += dS^T Q
         wg_commit();
-        {   // dS^T into buffer j: row = key (this warp's 16 of the CTA's 128), column = query row
-            unsigned char* ds = reinterpret_cast<unsigned char*>(sdS(j));
-            const int r0 = 64 * wg + 16 * cw + gid;
-#pragma unroll
-            for (int ks = 0; ks < 4; ++ks) {
-                const int c0 = 16 * ks + 2 * tig;
-                *reinterpret_cast<uint32_t*>(ds + sw128_offset(r0, c0, 128)) = pa2[ks][0];
-                *reinterpret_cast<uint32_t*>(ds + sw128_offset(r0 + 8, c0, 128)) = pa2[ks][1];
-                *reinterpret_cast<uint32_t*>(ds + sw128_offset(r0, c0 + 8, 128)) = pa2[ks][2];
-                *reinterpret_cast<uint32_t*>(ds + sw128_offset(r0 + 8, c0 + 8, 128)) = pa2[ks][3];
-            }
-        }
+        store_ds_t(sdS(j), pa2, wg, cw, lane);   // dS^T into buffer j
         fence_async_proxy();
         named_sync(1, Tr::kMmaThreads);   // both warpgroups' dS^T(i); both finished dQ(i - 2)
         const bool mine = dq_here(i);
@@ -590,7 +637,13 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
             wg_wait<1>();   // dV(i) and dK(i); dQ(i) still running
             release(st);
             wg_wait<0>();
-            if (Tr::kHandOverDq) hand_dq(i);
+            if (Tr::kHandOverDq) {
+                if (i < handed) {
+                    hand_dq(i);
+                } else {
+                    write_dq(i);
+                }
+            }
         } else {
             wg_wait<0>();
             release(st);
@@ -624,8 +677,9 @@ __global__ void gqa_bwd_dq_store_kernel(const GqaBwdParams p, int64_t quads) {
     }
 }
 
-// The three kernels, after the inputs' scan (attention.cu) on the same stream; the sum and the
-// counters start from zero.
+// The statistics pass and the fused kernel (without kLastWrites then the store kernel), on the same
+// stream after the flag is zeroed (or the inputs' scan, without kGqaFusedScanFree: attention.cu);
+// the sum and the counters start from zero.
 template <class Pol>
 cudaError_t fused_launch(const GqaBwdParams& p, cudaStream_t stream, int dev) {
     constexpr bool kBf16 = Pol::kBf16;
@@ -655,9 +709,10 @@ cudaError_t fused_launch(const GqaBwdParams& p, cudaStream_t stream, int dev) {
     } else {
         gqa_bwd_fused_kernel<Pol><<<unsigned(fused_ctas), Tr::kThreads, Tr::kSmem, stream>>>(p, maps);
     }
-    const int64_t quads = int64_t(p.B) * p.Hq * ((p.T + 63) / 64) * 16 * DP;
-    const int64_t blocks = (quads + 255) / 256 < 4096 ? (quads + 255) / 256 : 4096;
-    gqa_bwd_dq_store_kernel<kBf16, DP><<<unsigned(blocks), 256, 0, stream>>>(p, quads);
+    if constexpr (!Tr::kLastWrites) {
+        const int64_t quads = int64_t(p.B) * p.Hq * ((p.T + 63) / 64) * 16 * DP, store_ctas = (quads + 255) / 256 < 4096 ? (quads + 255) / 256 : 4096;
+        gqa_bwd_dq_store_kernel<kBf16, DP><<<unsigned(store_ctas), 256, 0, stream>>>(p, quads);
+    }
     return cudaGetLastError();
 }
 
