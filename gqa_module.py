@@ -490,6 +490,8 @@ def _register_fake():
     def save_inputs_and_outputs(ctx, inputs, output):
         ctx.save_for_backward(*inputs, *output)
         ctx.mark_non_differentiable(output[1])
+        # lse2 never has a gradient: no tensor of zeros made and filled for it on every backward.
+        ctx.set_materialize_grads(False)
 
     def backward(ctx, grad_out, grad_lse2):
         q, k, v, out, lse2 = ctx.saved_tensors
