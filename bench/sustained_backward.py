@@ -36,6 +36,14 @@ def parse_run(text):
     return impl, dims
 
 
+def parse_seconds(text):
+    """--seconds: at least 1, so that nvidia-smi's 100 ms samples cover the loop after the 3 dropped."""
+    seconds = float(text)
+    if not seconds >= 1.0:
+        raise argparse.ArgumentTypeError("--seconds must be at least 1 (nvidia-smi samples every 100 ms), got %r" % text)
+    return seconds
+
+
 def run(impls, impl, shape, seconds):
     """One sustained loop; returns (call times in ms, [(SM MHz, W)] samples)."""
     B, T, Hq, Hkv, D = shape
@@ -71,7 +79,7 @@ def run(impls, impl, shape, seconds):
 def main():
     parser = argparse.ArgumentParser(description="The 16-bit backward under sustained load, with clock and power.")
     parser.add_argument("runs", nargs="+", type=parse_run, help="IMPL:B,T,Hq,Hkv,D")
-    parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--seconds", type=parse_seconds, default=4.0)
     args = parser.parse_args()
     impls = Implementations(torch, {"gqa_module": gqa_module}, {})
     for impl, shape in args.runs:
