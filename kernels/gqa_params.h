@@ -65,9 +65,11 @@ struct GqaBwdParams {
     float* lse2;        // per query row: log2 of the softmax's sum of 2^(s * log2(e))
     float* delta;       // per query row: dout . o
     // Zero before the tensor-core kernels, which set it (not zero) when they find Inf or NaN in q,
-    // k, v, o or dout (or the fused kernel's scan does, before it; kGqaFusedScanFree): the row-wise
-    // kernels, told to by rows_if_nonfinite, then redo the call. A tile product multiplies masked zeros by the values
-    // of keys and queries the row does not attend, and 0 * Inf is NaN.
+    // k, v, o or dout. For the fused kernel the statistics pass sets bit 0 for q, o and dout and the
+    // fused kernel bit 1 for its K and V tiles (a scan of the inputs before it sets it instead when
+    // kGqaFusedScanFree is false). The row-wise kernels, told to by rows_if_nonfinite, then redo the
+    // call. A tile product multiplies masked zeros by the values of keys and queries the row does not
+    // attend, and 0 * Inf is NaN.
     int* nonfinite;
     // Scratch of the wgmma unit's fused kernel (gqa_fused_dq_floats; null elsewhere, 16-byte
     // aligned): dQ summed in fp32 over the key tiles in blocks of 64 query rows (bwdwg/fused.cuh),

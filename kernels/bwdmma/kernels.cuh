@@ -93,6 +93,9 @@ template <bool kBf16> struct Bwd16BitIo {
     static constexpr int kPkFlushSteps = 0;
     static constexpr bool kEarlyIssue = kBwdEarlyIssue;
     static constexpr bool kPairedStats = true;    // read_columns
+    static constexpr bool kFixedA = false;        // S's and dP's A from shared memory (bwdwg/bwdwg.cu)
+    static constexpr bool kFixedQ = false, kFixedDo = false;   // (the same, the dQ kernel's Q and dO)
+    static constexpr int kDqCtas = 0;             // the dQ kernel's CTAs an SM asked of ptxas (0: none)
     static __device__ __forceinline__ BwdIo io(const GqaBwdParams& p) {
         return {static_cast<const uint16_t*>(p.q), static_cast<const uint16_t*>(p.k), static_cast<const uint16_t*>(p.v),
                 static_cast<const uint16_t*>(p.dout), p.scale_log2, 1.f, 1.f, 0, 0, 0, 0};
@@ -222,7 +225,7 @@ __device__ __forceinline__ BwdCta bwd_cta(int B, int heads) {
 // each key tile's copies.
 // kStats: pass 1 and delta only (lse2 and delta for a kernel that computes dQ itself).
 template <class Pol, bool kStats = false>
-__global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(const GqaBwdParams p, const __grid_constant__ typename Pol::Maps maps) {
+__global__ void __launch_bounds__(kThreads * Pol::kRowGroups, Pol::kDqCtas) gqa_bwd_dq_kernel(const GqaBwdParams p, const __grid_constant__ typename Pol::Maps maps) {
     constexpr bool kBf16 = Pol::kBf16;
     constexpr int DP = Pol::DP, H = Pol::kTileHalves, OUT = Pol::kOut, RG = Pol::kRowGroups;
     const int col0 = OUT == DP ? 0 : int(blockIdx.y) * OUT;   // this CTA's dQ columns (OUT < DP: a grid of DP / OUT)
@@ -391,6 +394,19 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
         if (kt < kt_last) load_kv_tile(kt + 1, ((kt + 1) & 1) ^ 1);
         cp_async_commit();    // (empty on the last tile)
     };
+    // Pol::kFixedQ, kFixedDo: the group's Q and dO rows as register A operands, read once before
+    // the loop and on every path (read inside it at the first key tile only, the registers had no
+    // value on the later tiles' path).
+    uint32_t qa[Pol::kFixedQ ? DP / 16 : 1][4], doa[Pol::kFixedDo ? DP / 16 : 1][4];
+    const uint32_t a_zero = uint32_t(p.dtype) >> 8;   // 0 (Pol::settle_a)
+    if constexpr (Pol::kFixedQ || Pol::kFixedDo) {
+        if (!kStats) {
+            cp_async_wait<0>();   // Q and dO (and a first K and V by cp.async, which the loop waits for anyway)
+            __syncthreads();
+            if constexpr (Pol::kFixedQ) Pol::load_a(qa, q_tile, warp, lane);
+            if constexpr (Pol::kFixedDo) Pol::load_a(doa, do_tile, warp, lane);
+        }
+    }
     for (int kt = 0; kt <= (kStats ? -1 : kt_last); ++kt) {
         const int st = (kt + 1) & 1;
         if (!Pol::kEarlyIssue && !kTmaKv) load_kv(kt);
@@ -403,19 +419,30 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
         if (!(kTmaKv && Pol::kEarlyIssue) || kt == 0) __syncthreads();
         if constexpr (kTmaKv) Pol::await_step(&landed_bar[st], uint32_t((kt >> 1) & 1));
         float s[1][kTile / 8][4], dp[1][kTile / 8][4];
-        Pol::qk_issue(s, q_tile, k_of(st), warp, lane);
-        Pol::qk_issue(dp, do_tile, v_of(st), warp, lane);
+        if constexpr (Pol::kFixedQ) Pol::qk_issue_rs(s, qa, k_of(st));
+        else Pol::qk_issue(s, q_tile, k_of(st), warp, lane);
+        // kDpLate: dP issued after the last tile's dQ product has completed (S queued behind it
+        // keeps the tensor pipe busy), so that dQ's A fragments are dead before dP's accumulators
+        // are live: 16 registers fewer at the peak with dO's fragments held too.
+        constexpr bool kDpLate = Pol::kFixedDo && Pol::kEarlyIssue;
+        auto issue_dp = [&] {
+            if constexpr (Pol::kFixedDo) Pol::qk_issue_rs(dp, doa, v_of(st));
+            else Pol::qk_issue(dp, do_tile, v_of(st), warp, lane);
+        };
+        if constexpr (!kDpLate) issue_dp();
         // kTma: tile kt + 1 goes out under the products (its stage was freed by the barrier that
         // ended tile kt - 1; with Pol::kEarlyIssue by the one below).
         if constexpr (kTmaKv && !Pol::kEarlyIssue) load_kv(kt);
         if (Pol::kEarlyIssue) {
-            Pol::template wait<2>();   // the last tile's dQ product: its stage is free
+            Pol::template wait<kDpLate ? 1 : 2>();   // the last tile's dQ product: its stage is free
             settle_dq();
+            if constexpr (kDpLate) issue_dp();
             __syncthreads();
             load_kv(kt);
         }
         Pol::template wait<1>();   // S; dP still running
         Pol::settle(s);
+        if constexpr (Pol::kFixedQ) Pol::settle_a(qa, a_zero);
         // P for every element, then the masked ones zeroed on the diagonal tile alone (with the
         // mask in the same expression the compiler tested it, and reloaded scale_log2, for every
         // element of every tile: bench/NOTES.md v63).
@@ -438,6 +465,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups) gqa_bwd_dq_kernel(
         }
         Pol::template wait<Pol::kDeltaFix ? 1 : 0>();   // dP (P K may still run: it is settled with dQ)
         Pol::settle(dp);
+        if constexpr (Pol::kFixedDo) Pol::settle_a(doa, a_zero);
 #pragma unroll
         for (int n = 0; n < kTile / 8; ++n)
 #pragma unroll
@@ -592,6 +620,16 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
     auto dk_row = [&](int half) { return key_row(reinterpret_cast<float*>(p.dk), half); };
     auto dv_row = [&](int half) { return key_row(reinterpret_cast<float*>(p.dv), half); };
     int step_qt = kt * KG, step_g = 0;   // step i's query tile and head in the group, counted on
+    // Pol::kFixedA: the group's K and V rows as register A operands, read once before the loop
+    // (as the dQ kernel's Q and dO).
+    uint32_t ka[Pol::kFixedA ? DP / 16 : 1][4], va[Pol::kFixedA ? DP / 16 : 1][4];
+    const uint32_t a_zero = uint32_t(p.dtype) >> 8;   // 0 (Pol::settle_a)
+    if constexpr (Pol::kFixedA) {
+        cp_async_wait<Pol::kTma ? 0 : 1>();   // K and V (cp.async: the first step's copies may still run)
+        __syncthreads();
+        Pol::load_a(ka, k_tile, warp, lane);
+        Pol::load_a(va, v_tile, warp, lane);
+    }
     for (int i = 0; i < steps; ++i) {
         const int st = i & 1, q0 = step_qt * kTile;
         if (++step_g == p.group) step_g = 0, ++step_qt;
@@ -610,8 +648,13 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
         const float* lse2_t = lse2_s(st);
         const float* delta_t = delta_s(st);
         float s[1][kTile / 8][4], dp[1][kTile / 8][4];
-        Pol::qk_issue(s, k_tile, q_tile(st), warp, lane);     // S^T
-        Pol::qk_issue(dp, v_tile, do_tile(st), warp, lane);   // dP^T
+        if constexpr (Pol::kFixedA) {
+            Pol::qk_issue_rs(s, ka, q_tile(st));     // S^T
+            Pol::qk_issue_rs(dp, va, do_tile(st));   // dP^T
+        } else {
+            Pol::qk_issue(s, k_tile, q_tile(st), warp, lane);     // S^T
+            Pol::qk_issue(dp, v_tile, do_tile(st), warp, lane);   // dP^T
+        }
         // kTma: step i + 1's copies go out under the products (its stage was freed by the barrier
         // that ended step i - 1; with Pol::kEarlyIssue by the one below), so the issuing warp does
         // not hold up this step's barrier.
@@ -635,6 +678,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
         if (kBwdStatsInRegs) read_columns<Pol::kPairedStats>(column, lse2_t, lane);
         Pol::template wait<1>();   // S^T; dP^T still running
         Pol::settle(s);
+        if constexpr (Pol::kFixedA) Pol::settle_a(ka, a_zero);
         // P^T for every element, then the masked ones zeroed on edge tiles alone: with the mask in
         // the same expression the compiler branched around each exponential (BSSY, two BRA,
         // BSYNC an element, edge tile or not; bench/NOTES.md v59).
@@ -657,6 +701,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kKeyGroups) gqa_bwd_dkdv_kerne
         if (kBwdStatsInRegs) read_columns<Pol::kPairedStats>(column, delta_t, lane);
         Pol::template wait<1>();   // dP^T; dV still running
         Pol::settle(dp);
+        if constexpr (Pol::kFixedA) Pol::settle_a(va, a_zero);
 #pragma unroll
         for (int n = 0; n < kTile / 8; ++n)
 #pragma unroll

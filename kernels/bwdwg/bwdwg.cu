@@ -45,6 +45,37 @@ template <bool kBf16_, int DP_> struct WgProducts : Bwd16BitIo<kBf16_>, BwdTmaLo
     // The dQ kernel's warpgroups of 64 query rows a CTA, sharing each key tile's copies (variant
     // bwd_rows_128; bench/NOTES.md v65).
     static constexpr int kRowGroups = 1;
+    // The A operands that stay the same over a CTA's loop held in registers, read from their tiles
+    // once: at width 64 a product of 64 x 64 from two shared tiles reads 4 KB of shared memory per
+    // 32 cycles of the tensor pipe, the shared memory's whole 128 bytes a cycle, and from one tile
+    // half that (bench/NOTES.md v100). 16 registers a tile a thread at width 64 (width 128 would
+    // need 32). kFixedA: the dK/dV kernel's K and V (186 -> 218 registers, one CTA an SM either
+    // way). kFixedQ: the dQ kernel's Q alone, held to 168 registers for its three CTAs an SM
+    // (kDqCtas; 154 used). With dO too it needs 170: at two CTAs an SM, or held to 168 with its
+    // wgmmas serialized by ptxas (C7512), it ran 1.1-1.2x slower (v101).
+    static constexpr bool kFixedA = DP == 64;
+    static constexpr bool kFixedQ = kFixedA, kFixedDo = kFixedA;
+    static constexpr int kDqCtas = kFixedQ ? 3 : 0;
+    static __device__ __forceinline__ void load_a(uint32_t (&a)[DP / 16][4], const uint16_t* tile, int warp, int lane) {
+        load_a_fragments<DP, kTile>(a, tile, warp, lane);
+    }
+    // A's registers, once the product that reads them has completed (the wait): each XORed with
+    // `zero`, a value the compiler cannot know is 0 (from the parameters), so that the program
+    // reads them after the product and writes them again for the next step's. Without that read
+    // ptxas 13.0 (fixed in 13.3) ended their life at the product that reads them, inside the loop,
+    // and gave them to P's fragments: every step after the first multiplied by the previous
+    // step's P (bench/NOTES.md v100, v101).
+    static __device__ __forceinline__ void settle_a(uint32_t (&a)[DP / 16][4], uint32_t zero) {
+#pragma unroll
+        for (int kk = 0; kk < DP / 16; ++kk)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) asm volatile("xor.b32 %0, %0, %1;\n" : "+r"(a[kk][j]) : "r"(zero));
+    }
+    // qk_issue with the warpgroup's rows of A from load_a.
+    static __device__ __forceinline__ void qk_issue_rs(float (&s)[1][kTile / 8][4], const uint32_t (&a)[DP / 16][4], const uint16_t* b) {
+        qk_wgmma_rs<kBf16, DP, kTile>(s[0], a, b);
+        wg_commit();
+    }
     static cudaError_t make_maps(const GqaBwdParams& p, typename BwdTmaLoads<kTile, DP_>::Maps* m) {
         return BwdTmaLoads<kTile, DP_>::make_maps_of(p, {p.q, p.dout, p.k, p.v}, kBf16, m);
     }
