@@ -10,8 +10,10 @@ import math
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
+import time
 import types
 import zlib
 
@@ -2158,6 +2160,43 @@ SANITIZER_RESULTS = os.path.join(HERE, "bench", "results", "sanitizer.json")
 
 def _load_sanitize():
     return load_bench_script("sanitize")
+
+
+def test_sanitizer_driver_stopped_by_sigterm_kills_its_tool_run(tmp_path):
+    """bench/sanitize.py stopped by SIGTERM (as `timeout` stops it) while a tool runs kills that
+    run's process group instead of leaving it to hold the GPU and the build directory."""
+    pid_file, ready = tmp_path / "child.pid", tmp_path / "ready"
+    child = ("import os, pathlib, time; pathlib.Path(%r).write_text(str(os.getpid())); "
+             "pathlib.Path(%r).touch(); time.sleep(120)" % (str(pid_file), str(ready)))
+    driver = (
+        "import importlib.util, sys\n"
+        "spec = importlib.util.spec_from_file_location('sanitize', %r)\n"
+        "sanitize = importlib.util.module_from_spec(spec); spec.loader.exec_module(sanitize)\n"
+        "sanitize.stop_on_sigterm()\n"
+        "sanitize._run_logged([sys.executable, '-c', %r], None, 300, %r)\n"
+        % (os.path.join(HERE, "bench", "sanitize.py"), child, str(tmp_path / "tool.log")))
+    proc = subprocess.Popen([sys.executable, "-c", driver])
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert proc.poll() is None, "the driver ended before its tool started"
+        assert time.monotonic() < deadline, "the tool did not start"
+        time.sleep(0.05)
+    pid = int(pid_file.read_text())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 10
+    while _process_alive(pid):
+        assert time.monotonic() < deadline, "the tool's process %d outlived the driver" % pid
+        time.sleep(0.05)
+
+
+def _process_alive(pid):
+    """Whether pid names a process that has not exited (a zombie counts as exited)."""
+    try:
+        with open("/proc/%d/status" % pid) as fh:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in fh)
+    except FileNotFoundError:
+        return False
 
 
 def test_sanitizer_gradient_check_catches_wrong_gradients():

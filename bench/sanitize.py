@@ -451,7 +451,10 @@ def _dead_after(cases):
 
 
 def _run_logged(cmd, env, timeout, log_path):
-    """Run cmd in its own process group with output to log_path; kill the group on timeout."""
+    """Run cmd in its own process group with output to log_path; kill the group on timeout, and
+    when the driver itself stops before the group ends (an exception, or SIGTERM from `timeout`
+    through stop_on_sigterm): a tool left running would hold the GPU and the extension's build
+    directory, and the next driver's plain run of the cases would wait on it."""
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO_ROOT),
@@ -463,6 +466,10 @@ def _run_logged(cmd, env, timeout, log_path):
             timed_out = True
             os.killpg(proc.pid, signal.SIGKILL)
             rc = proc.wait()
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     with open(log_path, errors="replace") as log:
         text = log.read()
     return rc, timed_out, time.perf_counter() - t0, text
@@ -669,6 +676,12 @@ def list_cases():
     return 1 if bad or missing else 0
 
 
+def stop_on_sigterm():
+    """SIGTERM ends the driver by SystemExit, so that _run_logged's cleanup runs (Python's default
+    for SIGTERM ends the process at once, leaving the tool's process group running)."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--run-cases", action="store_true", help="run every case once (the sanitized program)")
@@ -692,6 +705,7 @@ def main(argv=None):
         return run_cases(seed, args.only, args.start)
     if args.list:
         return list_cases()
+    stop_on_sigterm()
     return drive(args)
 
 
