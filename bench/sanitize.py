@@ -461,15 +461,13 @@ def _run_logged(cmd, env, timeout, log_path):
                                 start_new_session=True)
         timed_out = False
         try:
-            rc = proc.wait(timeout=timeout)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
-            os.killpg(proc.pid, signal.SIGKILL)
-            rc = proc.wait()
         finally:
-            if proc.poll() is None:
+            if proc.poll() is None:   # timed out, or the driver is stopping
                 os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        rc = proc.wait()
     with open(log_path, errors="replace") as log:
         text = log.read()
     return rc, timed_out, time.perf_counter() - t0, text
