@@ -575,8 +575,10 @@ def plan(q, k, v):
 def backward_plan(q, k, v):
     """The backward kernels a call with these CUDA inputs runs: "bwdwg/<dtype>/d<width>" (wgmma
     tensor cores: fp16 and bf16 at head_dim 64, 128 and 256, on an sm_90a build past 128 steps;
-    "bwdwg/<dtype>/d128/fused" where its fused kernel runs, from 8192 steps or the value of the
-    environment variable GQA_FUSED_BACKWARD_MIN_T),
+    "bwdwg/<dtype>/d<width>/fused" where its fused kernel runs: at head_dim 128 from 8192 steps, at
+    64 from 1024 steps with groups of 4 or more query heads on a grid of many (batch, kv head)
+    pairs (kernels/gqa_params.h), or from the value of the environment variable
+    GQA_FUSED_BACKWARD_MIN_T at either),
     "bwdx3/fp32/d<width>" (fp32 at head_dim 64 and 128 where bwdwg runs: three fp16 wgmma products
     per product), "bwdmma/<dtype>/d<width>" (mma.sync tensor cores: fp16 and bf16 at head_dim 64
     and 128) or "backward/<dtype>" (row-wise, any shape)."""

@@ -125,8 +125,12 @@ BACKWARD_CASES = (
     ("bwdwg/fp16/d128",           2, 200,  4,  4, 128, "fp16", False, False),  # offset rows, MHA
     ("bwdwg/bf16/d64",            1, 300,  4,  1,  64, "bf16", True,  False),  # MQA
     ("bwdwg/bf16/d128",           1, 257,  8,  2, 128, "bf16", True,  False),
-    # The fused kernel, which the library takes from 8192 query rows at width 128, here from
-    # FUSED_MIN_T rows (GQA_FUSED_BACKWARD_MIN_T, set for these cases alone).
+    # The fused kernel, which the library takes from 8192 query rows at width 128 and at width 64
+    # from 1024 on large grids (kernels/gqa_params.h), here from FUSED_MIN_T rows
+    # (GQA_FUSED_BACKWARD_MIN_T, set for these cases alone).
+    ("bwdwg/fp16/d64/fused",      1, 300,  8,  2,  64, "fp16", True,  False),  # 3 key tiles, G = 4: 20 steps
+    ("bwdwg/bf16/d64/fused",      2, 150,  3,  3,  64, "bf16", False, False),  # offset rows, MHA: 3 and 1 steps, a pair of one
+    ("bwdwg/bf16/d64/fused",     20, 300, 16,  4,  64, "bf16", False, False),  # 80 pairs of 320 KB of sums: chunks of 76 and 4
     ("bwdwg/fp16/d128/fused",     2, 200,  4,  4, 128, "fp16", False, False),  # offset rows, MHA
     ("bwdwg/bf16/d128/fused",     1, 257,  8,  2, 128, "bf16", True,  False),  # 3 key tiles, the last of 1 row, G = 4
     ("bwdwg/fp16/d256",           1, 130,  4,  2, 256, "fp16", True,  False),  # 3 tiles, the last of 2 rows

@@ -181,12 +181,26 @@ const char* gqa_backward_plan(const GqaBwdParams& p) {
     return kind == kBwdRows ? kRows[p.dtype] : backward_unit_name(kind, p.dtype, p.D);
 }
 
+namespace {
+// kGqaFusedBackwardMinT64's rule at width 64: groups of kGqaFusedBackwardMinGroup64 or more, and
+// key tile 0's n_q G steps at most 1 / kGqaFusedBackwardBalance64 of an SM's share of the grid's
+// steps (key tile kt: (n_q - 2 kt) G of them; the sum over the n_k key tiles is n_k (n_q - n_k + 1)).
+bool fused_balanced_at_64(const GqaBwdParams& p) {
+    if (p.T < kGqaFusedBackwardMinT64 || p.group < kGqaFusedBackwardMinGroup64) return false;
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) return false;
+    const int64_t n_q = (int64_t(p.T) + 63) / 64, n_k = (int64_t(p.T) + 127) / 128;
+    const int64_t steps = int64_t(p.B) * p.Hkv * p.group * n_k * (n_q - n_k + 1);
+    return kGqaFusedBackwardBalance64 * n_q * p.group * sm_count(dev) <= steps;
+}
+}  // namespace
+
 bool gqa_backward_fused(const GqaBwdParams& p) {
     if (p.dtype == kGqaFloat32 || (p.D != 64 && p.D != 128) || backward_kind(p) != kBwdWg) return false;
     if (kGqaFusedBackward) return true;
     const char* bound = std::getenv("GQA_FUSED_BACKWARD_MIN_T");
-    const long long min_t = bound != nullptr && *bound != '\0' ? std::atoll(bound) : kGqaFusedBackwardMinT;
-    return p.D == 128 && p.T >= min_t;
+    if (bound != nullptr && *bound != '\0') return p.T >= std::atoll(bound);
+    return p.D == 128 ? p.T >= kGqaFusedBackwardMinT : fused_balanced_at_64(p);
 }
 
 // The wgmma unit's fused kernel sums dQ over its key tiles in fp32 (blocks of 64 query rows per

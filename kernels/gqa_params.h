@@ -43,6 +43,15 @@ struct GqaParams {
 // rows (gqa_backward_fused): it does five tile products a tile pair where they do seven, and
 // measured 1.07x of them at T = 8192, 1.19x at 32768, 0.69x at 1024 (bench/NOTES.md v92).
 constexpr int kGqaFusedBackwardMinT = 8192;
+// The same at width 64, from this many query rows, where the group has at least
+// kGqaFusedBackwardMinGroup64 query heads and the grid is balanced: its longest CTAs (key tile 0,
+// n_q G steps of 64 rows) at most 1 / kGqaFusedBackwardBalance64 of an SM's share of all CTAs'
+// steps. Measured faster than the two kernels at (16, 2048, 32, 8, 64) and (32, 1024, 32, 8, 64)
+// and slower at (4, 4096, 32, 8, 64), (1, 8192, 32, 8, 64), (2, 4096, 32, 4, 64) (long CTAs a
+// quarter or more of an SM's share) and (8, 2048, 16, 16, 64) (one head a group) (bench/NOTES.md v107).
+constexpr int kGqaFusedBackwardMinT64 = 1024;
+constexpr int kGqaFusedBackwardMinGroup64 = 4;
+constexpr int kGqaFusedBackwardBalance64 = 8;
 // For measurement: the fused kernel at widths 64 and 128 for every T.
 constexpr bool kGqaFusedBackward = false;
 // The fused kernel without a scan of the inputs before it: the statistics pass flags Inf or NaN in
@@ -146,9 +155,10 @@ int gqa_backward(const GqaBwdParams& params, void* stream);   // dq, dk and dv; 
 // Which backward a call runs: "bwdmma/<dtype>/d<width>" (tensor cores) or "backward/<dtype>" (row-wise).
 const char* gqa_backward_plan(const GqaBwdParams& params);
 // Whether the call runs the wgmma unit's fused kernel (GqaBwdParams::fused, set from this with the
-// sizes, before the scratch is sized): width 128 from kGqaFusedBackwardMinT query rows, or from the
-// value of the environment variable GQA_FUSED_BACKWARD_MIN_T where it is set (the tests and the
-// sanitizer take the kernel at small T with it).
+// sizes, before the scratch is sized): width 128 from kGqaFusedBackwardMinT query rows and width 64
+// by kGqaFusedBackwardMinT64's rule, or at either width from the value of the environment variable
+// GQA_FUSED_BACKWARD_MIN_T where it is set (the tests and the sanitizer take the kernel at small T
+// with it).
 bool gqa_backward_fused(const GqaBwdParams& params);
 // Floats of lse2 (and of delta) in the backward's scratch. The tensor-core kernels keep them as
 // [B, Hq, T64], T rounded up to 64 steps and the rows past T zero, so that a query tile's 64 values

@@ -2,8 +2,8 @@
 // and width (GQA_DTYPE, GQA_WIDTH): the two kernels of bwdmma/kernels.cuh (dQ, then dK and dV) over
 // this policy (its tile products on the warpgroup, the CTA's four warps, 64 rows, from
 // 128-byte-swizzled tiles; at width 256 each CTA computes half of the output columns). Where
-// GqaBwdParams::fused (width 128 on long sequences; gqa_backward_fused), the dQ kernel's statistics
-// pass, then fused.cuh's kernel for dK, dV and dQ.
+// GqaBwdParams::fused (width 128 on long sequences, 64 on large grids; gqa_backward_fused), the
+// dQ kernel's statistics pass, then fused.cuh's kernel for dK, dV and dQ.
 
 #include "bwdwg/fused.cuh"
 #include "common/tma.cuh"
@@ -50,9 +50,10 @@ template <bool kBf16_, int DP_> struct WgProducts : Bwd16BitIo<kBf16_>, BwdTmaLo
     // 32 cycles of the tensor pipe, the shared memory's whole 128 bytes a cycle, and from one tile
     // half that (bench/NOTES.md v100). 16 registers a tile a thread at width 64 (width 128 would
     // need 32). kFixedA: the dK/dV kernel's K and V (186 -> 218 registers, one CTA an SM either
-    // way). kFixedQ: the dQ kernel's Q alone, held to 168 registers for its three CTAs an SM
-    // (kDqCtas; 154 used). With dO too it needs 170: at two CTAs an SM, or held to 168 with its
-    // wgmmas serialized by ptxas (C7512), it ran 1.1-1.2x slower (v101).
+    // way). kFixedQ, kFixedDo: the dQ kernel's Q and dO, held to 168 registers for its three CTAs
+    // an SM (kDqCtas; 154 used, with dP issued after the last tile's dQ product: kDpLate in
+    // bwdmma/kernels.cuh, bench/NOTES.md v102). With dP issued beside S they needed 170: at two
+    // CTAs an SM, or held to 168 with the wgmmas serialized by ptxas (C7512), 1.1-1.2x slower (v101).
     static constexpr bool kFixedA = DP == 64;
     static constexpr bool kFixedQ = kFixedA, kFixedDo = kFixedA;
     static constexpr int kDqCtas = kFixedQ ? 3 : 0;
@@ -112,8 +113,8 @@ extern "C" int gqa_launch_bwdwg(const GqaBwdParams* p, void* stream) {
     const cudaError_t err = cudaGetDevice(&dev);
     if (err != cudaSuccess) return int(err);
     // The two kernels (at width 256 in column halves), or the fused one (GqaBwdParams::fused; its
-    // kernels are compiled where it can be taken: width 128, and width 64 with kGqaFusedBackward).
-    if constexpr (GQA_WIDTH == 128 || (GQA_WIDTH == 64 && kGqaFusedBackward)) {
+    // kernels are compiled where it can be taken: widths 64 and 128).
+    if constexpr (GQA_WIDTH == 64 || GQA_WIDTH == 128) {
         if (p->fused) return int(fused_launch<Products>(*p, static_cast<cudaStream_t>(stream), dev));
     }
     return int(bwd_launch<Products>(*p, static_cast<cudaStream_t>(stream), dev));

@@ -57,6 +57,22 @@ template <int DP> struct FusedTraits {
     // registers to the sum read back from L2 and writes the block as dQ, so no store kernel runs.
     // False: every share goes through the writer and gqa_bwd_dq_store_kernel writes dQ.
     static constexpr bool kLastWrites = kPipelined;
+    // The pipelined kernel at width 64 (one warpgroup's dQ product a step): the two warpgroups meet
+    // at every second step only, and then each computes the dQ share of one step of the pair
+    // (warpgroup 0 the first, 1 the second), so that neither waits at a step's barrier for the
+    // other's dQ product and hand-over (bench/NOTES.md v104). dS^T then takes four buffers.
+    static constexpr bool kPairedDq = kPipelined && DP == 64;
+    // The pipelined kernel's writer hands step i's turn on once step i's reductions have
+    // completed, which it awaits after issuing step i + kTurnLag's (and frees step i's buffers
+    // after issuing step i + 1's). 2 and 3 measured slower than 1 at width 64 and no faster at
+    // 128 (bench/NOTES.md v106).
+    static constexpr int kTurnLag = 1;
+    // The pipelined kernel's CTAs in chunks of (batch, kv head) pairs, key tiles first within a
+    // chunk, so that the dQ sums a chunk adds to (G x T x DP floats a pair) stay in L2 while its
+    // key tiles add to them; 0: key tiles first over the whole grid (bench/NOTES.md v106). An order
+    // of pair + key tile, which spreads the long key tiles over the grid, measured slower (v107).
+    static constexpr int64_t kChunkSumBytes = DP == 64 ? 24 << 20 : 0;
+    static constexpr int kDsBuffers = kPipelined ? (kPairedDq ? 4 : 2) : 1;
     static_assert(kPipelined || !kGqaFusedScanFree, "the serial kernel returns on the inputs' scan's flag");
     // Instruments of the pipelined kernel, both true in use. kWriterTurns false: the writer adds
     // without waiting for the turn (not deterministic). kHandOverDq false: the dQ shares are
@@ -78,7 +94,7 @@ template <int DP> struct FusedTraits {
     // K, V, two stages of (Q, dO), dS^T, two stages of (lse2, delta), then kWriter's buffers; 1024
     // of alignment slack.
     static constexpr int kBufferBytes = kAdders * 2 * kPieceFloats * 4;
-    static constexpr int kSmem = 1024 + 2 * (2 * kKvHalves + 4 * kRowHalves + (kPipelined ? 2 : 1) * kDsHalves) +
+    static constexpr int kSmem = 1024 + 2 * (2 * kKvHalves + 4 * kRowHalves + kDsBuffers * kDsHalves) +
                                  2 * 2 * kRows * 4 + (kWriter ? kBufferBytes : 0);
     static_assert(kSmem <= 227 * 1024, "one CTA's shared memory");
 };
@@ -422,15 +438,21 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
     auto sQ = [&](int st) { return sV + Tr::kKvHalves + st * 2 * Tr::kRowHalves; };
     auto sdO = [&](int st) { return sQ(st) + Tr::kRowHalves; };
     auto sdS = [&](int j) { return sQ(2) + j * Tr::kDsHalves; };   // dS^T: [128 keys][64 query rows], swizzled
-    auto lse2_s = [&](int st) { return reinterpret_cast<float*>(sdS(2)) + st * 2 * Tr::kRows; };
+    auto lse2_s = [&](int st) { return reinterpret_cast<float*>(sdS(Tr::kDsBuffers)) + st * 2 * Tr::kRows; };
     auto delta_s = [&](int st) { return lse2_s(st) + Tr::kRows; };
     float* held = delta_s(1) + Tr::kRows;   // the writer's buffers: [kAdders][2][4096]
 
     const int64_t bh_count = int64_t(p.B) * p.Hkv;
-    const int kt = int(blockIdx.x / bh_count), bh = int(blockIdx.x % bh_count);
+    const int n_q = (p.T + Tr::kRows - 1) / Tr::kRows;
+    int kt = int(blockIdx.x / bh_count), bh = int(blockIdx.x % bh_count);
+    if constexpr (Tr::kChunkSumBytes > 0) {   // chunks of `chunk` pairs, each key tile by key tile
+        const int64_t pair_bytes = int64_t(p.group) * n_q * Tr::kRows * DP * 4, key_tiles = gridDim.x / bh_count;
+        const int64_t chunk = max(int64_t(1), Tr::kChunkSumBytes / pair_bytes), c0 = blockIdx.x / (chunk * key_tiles) * chunk;
+        const int64_t in_chunk = min(chunk, bh_count - c0), r = blockIdx.x - c0 * key_tiles;
+        kt = int(r / in_chunk), bh = int(c0 + r % in_chunk);
+    }
     const int64_t b = bh / p.Hkv;
     const int kvh = bh % p.Hkv, k0 = kt * Tr::kKeys, G = p.group, T = p.T;
-    const int n_q = (T + Tr::kRows - 1) / Tr::kRows;
     const int steps = (n_q - 2 * kt) * G;   // query tiles 2 kt .. n_q - 1 see a key of this CTA
     // Steps whose dQ share goes to the writer: all, or with kLastWrites all but those of query
     // tiles 2 kt and 2 kt + 1, whose blocks no later key tile adds to.
@@ -465,9 +487,10 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
         }
         if (warp != 8 || !Tr::kHandOverDq) return;
         // The writer: step i's shares, in turn. Its reductions are not awaited before the next
-        // step's: the buffers go back once read (wait_group.read), and step i's turn is handed on
-        // once its reductions have completed, after step i + 1's are issued, so that neither the
-        // buffers nor the writer wait out the reductions' round trip to L2.
+        // steps': step i's buffers go back once read (wait_group.read, after step i + 1's are
+        // issued), and step i's turn is handed on once its reductions have completed (after step
+        // i + kTurnLag's are issued), so that neither the buffers nor the writer wait out the
+        // reductions' round trip to L2 at every step.
         auto order_at = [&](int i) { return p.dq_order + (b * p.Hq + step_head(i)) * n_q + step_tile(i); };
         for (int i = 0; i < handed; ++i) {
             const int j = i & 1;
@@ -484,21 +507,21 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
             }
             if (lane == 0) {
                 bulk_commit();
-                if (i > 0) {   // step i - 1's reductions complete: its turn goes on
-                    bulk_wait<1>();
+                if (i >= Tr::kTurnLag) {   // step i - kTurnLag's reductions complete: its turn goes on
+                    bulk_wait<Tr::kTurnLag>();
                     fence_async_global();
-                    add_release(order_at(i - 1), Tr::kAdders);
+                    add_release(order_at(i - Tr::kTurnLag), Tr::kAdders);
                 }
-                bulk_wait_read<0>();
+                bulk_wait_read<1>();   // step i - 1's buffers read
             }
             __syncwarp();
-            if (i + 2 < handed)
-                for (int c = 0; c < Tr::kAdders; ++c) named_arrive(dq_empty_id(c, j), kHandOver);
+            if (i >= 1 && i + 1 < handed)   // step i - 1's buffers, for step i + 1
+                for (int c = 0; c < Tr::kAdders; ++c) named_arrive(dq_empty_id(c, (i - 1) & 1), kHandOver);
         }
         if (lane == 0 && handed > 0) {
             bulk_wait<0>();
             fence_async_global();
-            add_release(order_at(handed - 1), Tr::kAdders);
+            for (int i = max(handed - Tr::kTurnLag, 0); i < handed; ++i) add_release(order_at(i), Tr::kAdders);
         }
         return;
     }
@@ -522,14 +545,32 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
     const int cb = DP == 128 ? wg : 0;
     const int wt = threadIdx.x % 128;
     float s[8][4], dp[8][4];
+    // Pol::kFixedA (width 64): this warpgroup's K and V rows as register A operands of S^T and dP^T,
+    // read once, as the dK/dV kernel's (measured neither faster nor slower alone, bench/NOTES.md
+    // v103; part of every form measured after it). settle_a after each product that reads them
+    // (ptxas 13.0, v101).
+    uint32_t ka[Pol::kFixedA ? DP / 16 : 1][4], va[Pol::kFixedA ? DP / 16 : 1][4];
+    const uint32_t a_zero = uint32_t(p.dtype) >> 8;   // 0 (Pol::settle_a)
+    if constexpr (Pol::kFixedA) {
+        Pol::load_a(ka, sK, warp, lane);   // rows 16 warp .. of the CTA's 128 keys: this warp's 16
+        Pol::load_a(va, sV, warp, lane);
+    }
     auto issue_s = [&](int i) {
         const int st = i & 1;
         mbar_wait(&full_bar[st], uint32_t((i >> 1) & 1));
-        qk_wgmma<kBf16, DP, 128, 64>(s, sK, 64 * wg, sQ(st));    // S^T of this warpgroup's keys
+        if constexpr (Pol::kFixedA) {
+            qk_wgmma_rs<kBf16, DP, 64>(s, ka, sQ(st));
+        } else {
+            qk_wgmma<kBf16, DP, 128, 64>(s, sK, 64 * wg, sQ(st));    // S^T of this warpgroup's keys
+        }
         wg_commit();
     };
     auto issue_dp = [&](int i) {
-        qk_wgmma<kBf16, DP, 128, 64>(dp, sV, 64 * wg, sdO(i & 1));  // dP^T
+        if constexpr (Pol::kFixedA) {
+            qk_wgmma_rs<kBf16, DP, 64>(dp, va, sdO(i & 1));
+        } else {
+            qk_wgmma<kBf16, DP, 128, 64>(dp, sV, 64 * wg, sdO(i & 1));  // dP^T
+        }
         wg_commit();
     };
     float dk[DP / 8][4] = {}, dv[DP / 8][4] = {};
@@ -582,7 +623,7 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
         }
     };
     for (int i = 0; i < steps; ++i) {
-        const int st = i & 1, j = i & 1, q0 = step_tile(i) * Tr::kRows;
+        const int st = i & 1, j = i % Tr::kDsBuffers, q0 = step_tile(i) * Tr::kRows;
         issue_s(i);
         issue_dp(i);
         const float* lse2_t = lse2_s(st);
@@ -593,6 +634,7 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
         read_columns<Pol::kPairedStats>(column, lse2_t, lane);
         wg_wait<1>();   // S^T(i); dP^T(i) still running
         fence_regs(reinterpret_cast<float(&)[32]>(s));
+        if constexpr (Pol::kFixedA) Pol::settle_a(ka, a_zero);
 #pragma unroll
         for (int n = 0; n < 8; ++n)
 #pragma unroll
@@ -613,6 +655,7 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
         read_columns<Pol::kPairedStats>(column, delta_t, lane);
         wg_wait<1>();   // dP^T(i); dV(i) still running
         fence_regs(reinterpret_cast<float(&)[32]>(dp));
+        if constexpr (Pol::kFixedA) Pol::settle_a(va, a_zero);
 #pragma unroll
         for (int n = 0; n < 8; ++n)
 #pragma unroll
@@ -622,10 +665,14 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
         wg_commit();
         store_ds_t(sdS(j), pa2, wg, cw, lane);   // dS^T into buffer j
         fence_async_proxy();
-        named_sync(1, Tr::kMmaThreads);   // both warpgroups' dS^T(i); both finished dQ(i - 2)
-        const bool mine = dq_here(i);
+        // kPairedDq: the warpgroups meet after the second step of a pair (or a last step alone);
+        // the step whose dQ share this warpgroup computes then is iq = the pair's first + wg.
+        const bool meet = !Tr::kPairedDq || (i & 1) == 1 || i + 1 == steps;
+        const int iq = Tr::kPairedDq ? (i & ~1) + wg : i;
+        if (meet) named_sync(1, Tr::kMmaThreads);   // both warpgroups' dS^T up to i; both finished their earlier dQ
+        const bool mine = meet && (Tr::kPairedDq ? iq <= i : dq_here(i));
         if (mine) {   // dQ's share: 64 query rows x columns 64 cb .. + 63, over the 128 keys
-            const unsigned char* a = reinterpret_cast<const unsigned char*>(sdS(j));
+            const unsigned char* a = reinterpret_cast<const unsigned char*>(sdS(iq % Tr::kDsBuffers));
             const unsigned char* kb = reinterpret_cast<const unsigned char*>(sK) + cb * 128 * 128;
             const uint64_t ad = wg_desc(a, 128 * 128, 1024), kd = wg_desc(kb, 128 * 128, 1024);
             wg_fence();
@@ -634,14 +681,14 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
                 wgmma_ss_n64<kBf16, 1, 1>(reinterpret_cast<float(&)[32]>(dq), wg_desc_at(ad, ks * 16 * 128),
                                           wg_desc_at(kd, ks * 16 * 128), ks > 0);
             wg_commit();
-            wg_wait<1>();   // dV(i) and dK(i); dQ(i) still running
+            wg_wait<1>();   // dV(i) and dK(i); dQ(iq) still running
             release(st);
             wg_wait<0>();
             if (Tr::kHandOverDq) {
-                if (i < handed) {
-                    hand_dq(i);
+                if (iq < handed) {
+                    hand_dq(iq);
                 } else {
-                    write_dq(i);
+                    write_dq(iq);
                 }
             }
         } else {
