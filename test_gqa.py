@@ -1911,25 +1911,28 @@ def test_gpu_fused_backward_rule_at_64(B, T, Hq, Hkv, fused):
         assert backward_16bit_plan(B, T, Hq, Hkv, 64, name) == want
 
 
+# The fused kernel's gradient cases (B, T, Hq, Hkv, GQA_FUSED_BACKWARD_MIN_T, uneven), taken at both
+# widths through the environment variable.
+FUSED_FORCED_CASES = [
+    (1, 129, 4, 2, 129, False), (2, 1000, 8, 2, 129, False), (1, 4097, 4, 1, 129, False), (3, 200, 12, 12, 200, False),
+    (2, 1000, 8, 2, 129, True), (2, 150, 6, 6, 129, False), (1, 300, 6, 2, 129, False), (2, 4097, 16, 4, 129, False)]
+
+
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("B, T, Hq, Hkv, min_t, uneven", [
-    (1, 129, 4, 2, 129, False), (2, 1000, 8, 2, 129, False), (1, 4097, 4, 1, 129, False), (3, 200, 12, 12, 200, False),
-    (2, 1000, 8, 2, 129, True), (1, 8193, 4, 2, None, False), (2, 150, 6, 6, 129, False), (1, 300, 6, 2, 129, False),
-    (2, 4097, 16, 4, 129, False)])
-def test_gpu_fused_backward_within_twice_sdpa(B, T, Hq, Hkv, min_t, uneven, D, dtype, monkeypatch):
+@pytest.mark.parametrize("B, T, Hq, Hkv, D, min_t, uneven", [
+    case[:4] + (D,) + case[4:] for D in (64, 128) for case in FUSED_FORCED_CASES] + [(1, 8193, 4, 2, 128, None, False)])
+def test_gpu_fused_backward_within_twice_sdpa(B, T, Hq, Hkv, D, min_t, uneven, dtype, monkeypatch):
     """The wgmma unit's fused kernel (head_dim 128 from 8192 query rows, 64 by fused_at_64's rule, or
     from GQA_FUSED_BACKWARD_MIN_T): gradients within test_gpu_backward_16bit_within_twice_sdpa's
     bounds, at ragged sizes around its 128-key and 64-row tiles (at head_dim 64 its steps in pairs:
     odd and even step counts), GQA, MQA and MHA, on inputs whose magnitudes differ by orders
     (check_16bit_grads' uneven), and at head_dim 64 on a grid of two chunks of (batch, kv head)
-    pairs, the second partial (2, 4097, 16, 4: 4 MB of dQ sums a pair, 5 pairs a chunk)."""
+    pairs, the second partial (2, 4097, 16, 4: 4 MB of dQ sums a pair, 5 pairs a chunk). The
+    library's own rule takes it at 128 in the last case; at 64 only on grids of hundreds of pairs,
+    too large for a float64 reference here (test_gpu_fused_backward_rule_at_64 checks that rule)."""
     if tensor_core_backward(T, D) != "bwdwg":
         pytest.skip("the fused kernel is the wgmma unit's: an sm_90a build on an H100 or H200")
-    if min_t is None and D == 64:
-        pytest.skip("head_dim 64 takes the fused kernel by its rule only on grids of hundreds of (batch, kv head) "
-                    "pairs, too large for a float64 reference here; test_gpu_fused_backward_rule_at_64 checks the rule")
     if min_t is None:
         assert T >= FUSED_MIN_T[D]
     else:
