@@ -2320,6 +2320,17 @@ def test_sanitizer_driver_reads_summaries_and_case_lines():
     assert parsed["dead_after"] is None
 
 
+def test_sanitizer_resume_keeps_only_passed_tools_of_the_same_run():
+    """--resume keeps a previous run's passed tools only when its kernels, seed and cases match."""
+    sanitize = _load_sanitize()
+    now = {"source_sha256": "a" * 64, "seed": 7, "only": None, "cases": 112}
+    passed = {"errors": 0, "ok": True}
+    previous = dict(now, tools={"memcheck": passed, "racecheck": dict(passed, ok=False, errors=2)})
+    assert sanitize.kept_tools(previous, now) == {"memcheck": passed}
+    for key, other in (("source_sha256", "b" * 64), ("seed", 8), ("only", "fused"), ("cases", 10)):
+        assert sanitize.kept_tools(dict(previous, **{key: other}), now) == {}, key
+
+
 def test_committed_sanitizer_results_are_clean_for_the_current_kernels():
     """bench/results/sanitizer.json, once committed: every tool ran every case with 0 errors, on
     the kernel sources as they are now."""

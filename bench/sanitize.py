@@ -33,6 +33,11 @@ use no caching allocator (PYTORCH_NO_CUDA_MEMORY_CACHING=1), so every tensor is 
 A precise error ends only its kernel (--destroy-on-device-error kernel); when one still loses the
 CUDA context, the tool runs again from the case after it (`--start`), so one bug hides no other.
 `--dry-run` prints the commands only. Each run's full output goes to --log-dir.
+
+`--resume` splits the tools over several runs (each run is bounded by its machine's time): the
+tools that passed in the --out file of a run on the same kernel sources, seed (taken from that
+file unless given) and case selection are kept, and the others run and are added to it; the JSON
+then lists every run's start in `runs_started`.
 """
 from __future__ import annotations
 
@@ -509,7 +514,9 @@ def drive(args):
     if unknown:
         print("unknown tool(s) %s; choose from %s" % (unknown, ",".join(TOOLS)), file=sys.stderr)
         return 2
-    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(3), "little")
+    previous = _load_previous(args.out) if args.resume else None
+    seed = args.seed if args.seed is not None else (
+        previous["seed"] if previous else int.from_bytes(os.urandom(3), "little"))
     sanitizer = find_sanitizer(args.sanitizer)
     env = dict(os.environ, **SANITIZER_ENV)
     if args.dry_run:
@@ -546,6 +553,17 @@ def drive(args):
         "tools": {},
     }
 
+    kept = kept_tools(previous, result) if previous else {}
+    if previous and not kept:
+        print("--resume: %s holds no passed tool of a run on these kernels, seed %d and cases; "
+              "starting afresh" % (args.out, seed), flush=True)
+    if kept:
+        result["started"] = previous["started"]
+        result["runs_started"] = previous.get("runs_started", [previous["started"]]) + [
+            datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")]
+        result["tools"].update(kept)
+        print("--resume: keeping %s from %s" % (", ".join(kept), args.out), flush=True)
+
     # 1. Build (or load from torch's cache) and run every case once without the sanitizer.
     print("building the extension and running the cases without the sanitizer ...", flush=True)
     cmd = cases_command(seed, args.only)
@@ -567,7 +585,7 @@ def drive(args):
         return 1
 
     # 2. Each tool on the same cases, same seed.
-    for tool in tools:
+    for tool in [t for t in tools if t not in kept]:
         print("%s ..." % tool, flush=True)
         entry = run_tool(sanitizer, tool, seed, args, env, log_dir)
         result["tools"][tool] = entry
@@ -635,6 +653,21 @@ def run_tool(sanitizer, tool, seed, args, env, log_dir):
     return entry
 
 
+def _load_previous(path):
+    """The JSON of an earlier driver run at path, or None when there is none."""
+    path = Path(path)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def kept_tools(previous, result):
+    """The tool entries of a previous run that --resume keeps: those that passed, when that run
+    had the same kernel sources, seed and case selection as this one."""
+    same = all(previous.get(k) == result[k] for k in ("source_sha256", "seed", "only", "cases"))
+    if not same:
+        return {}
+    return {tool: entry for tool, entry in previous.get("tools", {}).items() if entry.get("ok")}
+
+
 def _write(result, path):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -692,6 +725,8 @@ def main(argv=None):
     p.add_argument("--out", default=str(DEFAULT_OUT), help="the driver's JSON (default: %(default)s)")
     p.add_argument("--tools", default=",".join(TOOLS), help="comma-separated subset of %(default)s")
     p.add_argument("--seed", type=int, default=None, help="input seed (default: fresh, printed)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the passed tools of --out's run on the same kernels, seed and cases; run the rest")
     p.add_argument("--only", default=None, help="run only the cases whose plan matches this regex")
     p.add_argument("--start", type=int, default=0, help="--run-cases: skip the first START cases")
     p.add_argument("--sanitizer", default=None, help="path of compute-sanitizer (default: searched)")
