@@ -2321,13 +2321,15 @@ def test_sanitizer_driver_reads_summaries_and_case_lines():
 
 
 def test_sanitizer_resume_keeps_only_passed_tools_of_the_same_run():
-    """--resume keeps a previous run's passed tools only when its kernels, seed and cases match."""
+    """--resume keeps a previous run's passed tools only when its kernels, seed, cases and versions match."""
     sanitize = _load_sanitize()
-    now = {"source_sha256": "a" * 64, "seed": 7, "only": None, "cases": 112}
+    now = {"source_sha256": "a" * 64, "seed": 7, "only": None, "cases": 112, "sanitizer": "2025.3.1.0",
+           "torch": "2.11.0+cu130", "cuda": "13.0"}
     passed = {"errors": 0, "ok": True}
     previous = dict(now, tools={"memcheck": passed, "racecheck": dict(passed, ok=False, errors=2)})
     assert sanitize.kept_tools(previous, now) == {"memcheck": passed}
-    for key, other in (("source_sha256", "b" * 64), ("seed", 8), ("only", "fused"), ("cases", 10)):
+    for key, other in (("source_sha256", "b" * 64), ("seed", 8), ("only", "fused"), ("cases", 10),
+                       ("sanitizer", "2025.4.0.0"), ("torch", "2.12.0"), ("cuda", "13.1")):
         assert sanitize.kept_tools(dict(previous, **{key: other}), now) == {}, key
 
 

@@ -36,7 +36,7 @@ CUDA context, the tool runs again from the case after it (`--start`), so one bug
 
 `--resume` splits the tools over several runs (each run is bounded by its machine's time): the
 tools that passed in the --out file of a run on the same kernel sources, seed (taken from that
-file unless given) and case selection are kept, and the others run and are added to it; the JSON
+file unless given), case selection and versions are kept, and the others run and are added to it; the JSON
 then lists every run's start in `runs_started`.
 """
 from __future__ import annotations
@@ -661,8 +661,9 @@ def _load_previous(path):
 
 def kept_tools(previous, result):
     """The tool entries of a previous run that --resume keeps: those that passed, when that run
-    had the same kernel sources, seed and case selection as this one."""
-    same = all(previous.get(k) == result[k] for k in ("source_sha256", "seed", "only", "cases"))
+    had the same kernel sources, seed, case selection and sanitizer, torch and CUDA versions."""
+    keys = ("source_sha256", "seed", "only", "cases", "sanitizer", "torch", "cuda")
+    same = all(previous.get(k) == result[k] for k in keys)
     if not same:
         return {}
     return {tool: entry for tool, entry in previous.get("tools", {}).items() if entry.get("ok")}
