@@ -1915,7 +1915,8 @@ def test_gpu_fused_backward_rule_at_64(B, T, Hq, Hkv, fused):
 # widths through the environment variable.
 FUSED_FORCED_CASES = [
     (1, 129, 4, 2, 129, False), (2, 1000, 8, 2, 129, False), (1, 4097, 4, 1, 129, False), (3, 200, 12, 12, 200, False),
-    (2, 1000, 8, 2, 129, True), (2, 150, 6, 6, 129, False), (1, 300, 6, 2, 129, False), (2, 4097, 16, 4, 129, False)]
+    (2, 1000, 8, 2, 129, True), (2, 150, 6, 6, 129, False), (1, 300, 6, 2, 129, False), (2, 4097, 16, 4, 129, False),
+    (150, 300, 16, 4, 129, False)]
 
 
 @needs_gpu
@@ -1927,8 +1928,10 @@ def test_gpu_fused_backward_within_twice_sdpa(B, T, Hq, Hkv, D, min_t, uneven, d
     from GQA_FUSED_BACKWARD_MIN_T): gradients within test_gpu_backward_16bit_within_twice_sdpa's
     bounds, at ragged sizes around its 128-key and 64-row tiles (at head_dim 64 its steps in pairs:
     odd and even step counts), GQA, MQA and MHA, on inputs whose magnitudes differ by orders
-    (check_16bit_grads' uneven), and at head_dim 64 on a grid of two chunks of (batch, kv head)
-    pairs, the second partial (2, 4097, 16, 4: 4 MB of dQ sums a pair, 5 pairs a chunk). The
+    (check_16bit_grads' uneven), and on grids in chunks of (batch, kv head) pairs, the last
+    partial: (2, 4097, 16, 4) at head_dim 64: 4 MB of dQ sums a pair, chunks of 5 and 3;
+    (150, 300, 16, 4) at 64: chunks of 76, the last of 68; at 128, a balanced grid on 132 SMs:
+    chunks of 102, the last of 90. The
     library's own rule takes it at 128 in the last case; at 64 only on grids of hundreds of pairs,
     too large for a float64 reference here (test_gpu_fused_backward_rule_at_64 checks that rule)."""
     if tensor_core_backward(T, D) != "bwdwg":
@@ -1945,9 +1948,12 @@ def test_gpu_fused_backward_within_twice_sdpa(B, T, Hq, Hkv, D, min_t, uneven, d
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("D", [64, 128])
 def test_gpu_fused_backward_deterministic_and_nonfinite_like_reference(D, dtype, monkeypatch):
-    """The fused kernel (taken here from 129 query rows): bitwise the same gradients in two runs;
+    """The fused kernel (taken here from 129 query rows): bitwise the same gradients in two runs,
+    and close to those of a call without the forward's lse2 (the statistics from the first pass);
     with Inf and NaN in q, k, v, with Inf in k alone or NaN in v alone (which only the fused
-    kernel's own check of its K and V tiles sees), or one NaN at the last element of grad_out,
+    kernel's own check of its K and V tiles sees), with -Inf at the last element of q alone or NaN
+    at its first (which only the forward's log-sum-exp of that row shows to the statistics pass
+    when the forward kept it), or one NaN at the last element of grad_out,
     NaN exactly where float64 autograd's gradients are, and within 2e-2 of them elsewhere."""
     T = 300
     if tensor_core_backward(T, D) != "bwdwg":
@@ -1959,6 +1965,14 @@ def test_gpu_fused_backward_deterministic_and_nonfinite_like_reference(D, dtype,
     grad_out = torch.randn_like(q)
     first, second = project_grads(q, k, v, grad_out), project_grads(q, k, v, grad_out)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+    # The forward's lse2 (the row statistics kernel) against none (the dQ kernel's statistics pass).
+    ops = gqa_module.load_extension()
+    out, lse2 = ops.causal_attention_trainable.default(q, k, v)
+    kept = ops.causal_attention_backward.default(q, k, v, out, grad_out, lse2)
+    own = ops.causal_attention_backward.default(q, k, v, out, grad_out, lse2.new_empty(0))
+    for grad_name, a, b, c in zip(("dq", "dk", "dv"), kept, own, first):
+        assert torch.equal(a, c), grad_name
+        assert rel_err(b, a) <= 1e-2, grad_name
     q[0, 5, 1, 3] = float("inf")
     k[1, 9, 0, 2] = float("-inf")
     v[0, 200, 1, 7] = float("nan")
@@ -1968,8 +1982,13 @@ def test_gpu_fused_backward_deterministic_and_nonfinite_like_reference(D, dtype,
     k_inf[1][1, 250, 1, D - 28] = float("inf")
     v_nan = make_qkv(2, T, 8, 2, D, device="cuda", dtype=dtype)
     v_nan[2][0, 3, 0, D // 2] = float("nan")
+    q_inf = make_qkv(2, T, 8, 2, D, device="cuda", dtype=dtype)
+    q_inf[0][1, T - 1, 7, D - 1] = float("-inf")
+    q_nan = make_qkv(2, T, 8, 2, D, device="cuda", dtype=dtype)
+    q_nan[0][0, 0, 0, 0] = float("nan")
     cases = (("inputs", (q, k, v, grad_out)), ("grad_out", (*make_qkv(2, T, 8, 2, D, device="cuda", dtype=dtype), poisoned_out)),
-             ("k alone", (*k_inf, grad_out)), ("v alone", (*v_nan, grad_out)))
+             ("k alone", (*k_inf, grad_out)), ("v alone", (*v_nan, grad_out)), ("q alone, last", (*q_inf, grad_out)),
+             ("q alone, first", (*q_nan, grad_out)))
     for case, tensors in cases:
         for grad_name, got, ref in zip(("dq", "dk", "dv"), project_grads(*tensors), reference_grads(*tensors)):
             assert torch.equal(torch.isnan(got), torch.isnan(ref)), (case, grad_name)

@@ -182,16 +182,12 @@ const char* gqa_backward_plan(const GqaBwdParams& p) {
 }
 
 namespace {
-// kGqaFusedBackwardMinT64's rule at width 64: groups of kGqaFusedBackwardMinGroup64 or more, and
-// key tile 0's n_q G steps at most 1 / kGqaFusedBackwardBalance64 of an SM's share of the grid's
-// steps (key tile kt: (n_q - 2 kt) G of them; the sum over the n_k key tiles is n_k (n_q - n_k + 1)).
+// kGqaFusedBackwardMinT64's rule at width 64: groups of kGqaFusedBackwardMinGroup64 or more on a
+// balanced grid.
 bool fused_balanced_at_64(const GqaBwdParams& p) {
     if (p.T < kGqaFusedBackwardMinT64 || p.group < kGqaFusedBackwardMinGroup64) return false;
     int dev = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess) return false;
-    const int64_t n_q = (int64_t(p.T) + 63) / 64, n_k = (int64_t(p.T) + 127) / 128;
-    const int64_t steps = int64_t(p.B) * p.Hkv * p.group * n_k * (n_q - n_k + 1);
-    return kGqaFusedBackwardBalance64 * n_q * p.group * sm_count(dev) <= steps;
+    return cudaGetDevice(&dev) == cudaSuccess && gqa_fused_grid_balanced(p, sm_count(dev), kGqaFusedBackwardBalance64);
 }
 }  // namespace
 

@@ -253,6 +253,19 @@ GqaBwdParams backward_params_of(const at::Tensor& q, const at::Tensor& k) {
     return p;
 }
 
+// Whether the forward on these inputs kept every row's lse2 (forward_cuda): its plan is the wgmma
+// family's and no stride of theirs is zero (a broadcast, which no tensor map takes, runs the tiled
+// kernel, which keeps none: wgmma/wgmma.cu). The inputs were checked by the caller; one whose last
+// stride is not 1 (the forward planned on a copy) answers no. A wrong no costs the statistics pass
+// of the dQ kernel; a wrong yes costs time only too, never a wrong gradient: the fused kernel's
+// statistics flag the rows left NaN and the row-wise kernels redo the call.
+bool forward_keeps_lse2(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    for (const at::Tensor* t : {&q, &k, &v})
+        for (int d = 0; d < 4; ++d)
+            if (t->stride(d) == 0 || (d == 3 && t->stride(d) != 1)) return false;
+    return gqa_make_plan(params_of(q, k, v, at::Tensor()), current_device()).family == kGqaWgmma;
+}
+
 // dq, dk and dv of causal_attention, from its inputs, its output and the output's gradient.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward_cuda(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out_in,
@@ -299,6 +312,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward_cuda(
     p.work = extra > 0 ? p.lse2 + head : nullptr;
     const at::Tensor lse2 = lse2_in.numel() > 0 ? lse2_in.contiguous() : lse2_in;
     p.lse2_in = lse2.numel() > 0 ? lse2.data_ptr<float>() : nullptr;
+    p.lse2_kept = p.lse2_in != nullptr && p.fused && forward_keeps_lse2(q_in, k_in, v_in);   // the fused path's alone
     const int err = gqa_backward(p, c10::cuda::getCurrentCUDAStream().stream());
     TORCH_CHECK(err != kGqaModuleUnavailable, "causal_gqa_attention backward: the kernels of ", gqa_backward_plan(p),
                 " could not be built or loaded (the build's error is printed above)");

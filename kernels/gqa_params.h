@@ -44,11 +44,11 @@ struct GqaParams {
 // measured 1.07x of them at T = 8192, 1.19x at 32768, 0.69x at 1024 (bench/NOTES.md v92).
 constexpr int kGqaFusedBackwardMinT = 8192;
 // The same at width 64, from this many query rows, where the group has at least
-// kGqaFusedBackwardMinGroup64 query heads and the grid is balanced: its longest CTAs (key tile 0,
-// n_q G steps of 64 rows) at most 1 / kGqaFusedBackwardBalance64 of an SM's share of all CTAs'
-// steps. Measured faster than the two kernels at (16, 2048, 32, 8, 64) and (32, 1024, 32, 8, 64)
-// and slower at (4, 4096, 32, 8, 64), (1, 8192, 32, 8, 64), (2, 4096, 32, 4, 64) (long CTAs a
-// quarter or more of an SM's share) and (8, 2048, 16, 16, 64) (one head a group) (bench/NOTES.md v107).
+// kGqaFusedBackwardMinGroup64 query heads and the kernel's longest CTAs take at most 1 /
+// kGqaFusedBackwardBalance64 of an SM's share of its grid's steps (gqa_fused_grid_balanced).
+// Measured faster than the two kernels at (16, 2048, 32, 8, 64) and (32, 1024, 32, 8, 64) and
+// slower at (4, 4096, 32, 8, 64), (1, 8192, 32, 8, 64), (2, 4096, 32, 4, 64) (long CTAs a quarter
+// or more of an SM's share) and (8, 2048, 16, 16, 64) (one head a group) (bench/NOTES.md v107).
 constexpr int kGqaFusedBackwardMinT64 = 1024;
 constexpr int kGqaFusedBackwardMinGroup64 = 4;
 constexpr int kGqaFusedBackwardBalance64 = 8;
@@ -90,8 +90,14 @@ struct GqaBwdParams {
     void* work;
     // Null, or the forward's lse2 (GqaParams::lse2): rows holding a number need no first pass.
     const float* lse2_in;
+    // lse2_in comes from a forward whose plan keeps every row (the wgmma family's; the others leave
+    // it NaN): the fused kernel's statistics then take it as it is (FusedTraits::kRowStats).
+    bool lse2_kept;
     bool rows_if_nonfinite;   // the row-wise kernels run only when *nonfinite is set
     bool fused;               // gqa_backward_fused: the wgmma unit runs its fused kernel
+    // The fused kernel's CTAs in chunks of this many (batch, kv head) pairs, key tile by key tile
+    // within a chunk; 0: key tile by key tile over the whole grid (set by its launch).
+    int fused_chunk;
     int B, T, Hq, Hkv, D;
     int group;          // Hq / Hkv
     float scale;        // 1 / sqrt(D)
@@ -160,6 +166,14 @@ const char* gqa_backward_plan(const GqaBwdParams& params);
 // GQA_FUSED_BACKWARD_MIN_T where it is set (the tests and the sanitizer take the kernel at small T
 // with it).
 bool gqa_backward_fused(const GqaBwdParams& params);
+// Whether the fused kernel's longest CTAs (key tile 0, n_q G steps of 64 rows) take at most 1 /
+// `part` of an SM's share of its grid's steps on a device of sm_count SMs: key tile kt of a (batch,
+// kv head) pair walks (n_q - 2 kt) G steps, n_k (n_q - n_k + 1) G over its n_k key tiles.
+inline bool gqa_fused_grid_balanced(const GqaBwdParams& p, int sm_count, int part) {
+    const int64_t n_q = (int64_t(p.T) + 63) / 64, n_k = (int64_t(p.T) + 127) / 128;
+    const int64_t steps = int64_t(p.B) * p.Hkv * p.group * n_k * (n_q - n_k + 1);
+    return part * n_q * p.group * sm_count <= steps;
+}
 // Floats of lse2 (and of delta) in the backward's scratch. The tensor-core kernels keep them as
 // [B, Hq, T64], T rounded up to 64 steps and the rows past T zero, so that a query tile's 64 values
 // are one 16-byte-aligned run of 256 bytes; the row-wise kernels use the first B * T * Hq of them

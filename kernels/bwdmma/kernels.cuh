@@ -93,8 +93,7 @@ template <bool kBf16> struct Bwd16BitIo {
     static constexpr int kPkFlushSteps = 0;
     static constexpr bool kEarlyIssue = kBwdEarlyIssue;
     static constexpr bool kPairedStats = true;    // read_columns
-    static constexpr bool kFixedA = false;        // S's and dP's A from shared memory (bwdwg/bwdwg.cu)
-    static constexpr bool kFixedQ = false, kFixedDo = false;   // (the same, the dQ kernel's Q and dO)
+    static constexpr bool kFixedA = false;        // S's and dP's loop-invariant A from shared memory (bwdwg/bwdwg.cu)
     static constexpr int kDqCtas = 0;             // the dQ kernel's CTAs an SM asked of ptxas (0: none)
     static __device__ __forceinline__ BwdIo io(const GqaBwdParams& p) {
         return {static_cast<const uint16_t*>(p.q), static_cast<const uint16_t*>(p.k), static_cast<const uint16_t*>(p.v),
@@ -394,17 +393,17 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups, Pol::kDqCtas) gqa_
         if (kt < kt_last) load_kv_tile(kt + 1, ((kt + 1) & 1) ^ 1);
         cp_async_commit();    // (empty on the last tile)
     };
-    // Pol::kFixedQ, kFixedDo: the group's Q and dO rows as register A operands, read once before
-    // the loop and on every path (read inside it at the first key tile only, the registers had no
-    // value on the later tiles' path).
-    uint32_t qa[Pol::kFixedQ ? DP / 16 : 1][4], doa[Pol::kFixedDo ? DP / 16 : 1][4];
+    // Pol::kFixedA: the group's Q and dO rows as register A operands, read once before the loop
+    // and on every path (read inside it at the first key tile only, the registers had no value on
+    // the later tiles' path).
+    uint32_t qa[Pol::kFixedA ? DP / 16 : 1][4], doa[Pol::kFixedA ? DP / 16 : 1][4];
     const uint32_t a_zero = uint32_t(p.dtype) >> 8;   // 0 (Pol::settle_a)
-    if constexpr (Pol::kFixedQ || Pol::kFixedDo) {
+    if constexpr (Pol::kFixedA) {
         if (!kStats) {
             cp_async_wait<0>();   // Q and dO (and a first K and V by cp.async, which the loop waits for anyway)
             __syncthreads();
-            if constexpr (Pol::kFixedQ) Pol::load_a(qa, q_tile, warp, lane);
-            if constexpr (Pol::kFixedDo) Pol::load_a(doa, do_tile, warp, lane);
+            Pol::load_a(qa, q_tile, warp, lane);
+            Pol::load_a(doa, do_tile, warp, lane);
         }
     }
     for (int kt = 0; kt <= (kStats ? -1 : kt_last); ++kt) {
@@ -419,14 +418,14 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups, Pol::kDqCtas) gqa_
         if (!(kTmaKv && Pol::kEarlyIssue) || kt == 0) __syncthreads();
         if constexpr (kTmaKv) Pol::await_step(&landed_bar[st], uint32_t((kt >> 1) & 1));
         float s[1][kTile / 8][4], dp[1][kTile / 8][4];
-        if constexpr (Pol::kFixedQ) Pol::qk_issue_rs(s, qa, k_of(st));
+        if constexpr (Pol::kFixedA) Pol::qk_issue_rs(s, qa, k_of(st));
         else Pol::qk_issue(s, q_tile, k_of(st), warp, lane);
         // kDpLate: dP issued after the last tile's dQ product has completed (S queued behind it
         // keeps the tensor pipe busy), so that dQ's A fragments are dead before dP's accumulators
         // are live: 16 registers fewer at the peak with dO's fragments held too.
-        constexpr bool kDpLate = Pol::kFixedDo && Pol::kEarlyIssue;
+        constexpr bool kDpLate = Pol::kFixedA && Pol::kEarlyIssue;
         auto issue_dp = [&] {
-            if constexpr (Pol::kFixedDo) Pol::qk_issue_rs(dp, doa, v_of(st));
+            if constexpr (Pol::kFixedA) Pol::qk_issue_rs(dp, doa, v_of(st));
             else Pol::qk_issue(dp, do_tile, v_of(st), warp, lane);
         };
         if constexpr (!kDpLate) issue_dp();
@@ -442,7 +441,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups, Pol::kDqCtas) gqa_
         }
         Pol::template wait<1>();   // S; dP still running
         Pol::settle(s);
-        if constexpr (Pol::kFixedQ) Pol::settle_a(qa, a_zero);
+        if constexpr (Pol::kFixedA) Pol::settle_a(qa, a_zero);
         // P for every element, then the masked ones zeroed on the diagonal tile alone (with the
         // mask in the same expression the compiler tested it, and reloaded scale_log2, for every
         // element of every tile: bench/NOTES.md v63).
@@ -465,7 +464,7 @@ __global__ void __launch_bounds__(kThreads * Pol::kRowGroups, Pol::kDqCtas) gqa_
         }
         Pol::template wait<Pol::kDeltaFix ? 1 : 0>();   // dP (P K may still run: it is settled with dQ)
         Pol::settle(dp);
-        if constexpr (Pol::kFixedDo) Pol::settle_a(doa, a_zero);
+        if constexpr (Pol::kFixedA) Pol::settle_a(doa, a_zero);
 #pragma unroll
         for (int n = 0; n < kTile / 8; ++n)
 #pragma unroll

@@ -50,13 +50,13 @@ template <bool kBf16_, int DP_> struct WgProducts : Bwd16BitIo<kBf16_>, BwdTmaLo
     // 32 cycles of the tensor pipe, the shared memory's whole 128 bytes a cycle, and from one tile
     // half that (bench/NOTES.md v100). 16 registers a tile a thread at width 64 (width 128 would
     // need 32). kFixedA: the dK/dV kernel's K and V (186 -> 218 registers, one CTA an SM either
-    // way). kFixedQ, kFixedDo: the dQ kernel's Q and dO, held to 168 registers for its three CTAs
-    // an SM (kDqCtas; 154 used, with dP issued after the last tile's dQ product: kDpLate in
-    // bwdmma/kernels.cuh, bench/NOTES.md v102). With dP issued beside S they needed 170: at two
-    // CTAs an SM, or held to 168 with the wgmmas serialized by ptxas (C7512), 1.1-1.2x slower (v101).
+    // way), the fused kernel's K and V (bwdwg/fused.cuh), and the dQ kernel's Q and dO, held to 168
+    // registers for its three CTAs an SM (kDqCtas; 154 used, with dP issued after the last tile's
+    // dQ product: kDpLate in bwdmma/kernels.cuh, bench/NOTES.md v102). With dP issued beside S the
+    // dQ kernel needed 170: at two CTAs an SM, or held to 168 with the wgmmas serialized by ptxas
+    // (C7512), 1.1-1.2x slower (v101).
     static constexpr bool kFixedA = DP == 64;
-    static constexpr bool kFixedQ = kFixedA, kFixedDo = kFixedA;
-    static constexpr int kDqCtas = kFixedQ ? 3 : 0;
+    static constexpr int kDqCtas = kFixedA ? 3 : 0;
     static __device__ __forceinline__ void load_a(uint32_t (&a)[DP / 16][4], const uint16_t* tile, int warp, int lane) {
         load_a_fragments<DP, kTile>(a, tile, warp, lane);
     }

@@ -1,11 +1,13 @@
 // The wgmma unit's backward in five tile products a tile pair, dQ summed in a fixed order.
-//  1. The dQ kernel of bwdmma/kernels.cuh with kStats: per query row, lse2 and delta only.
+//  1. Per query row, lse2 and delta only: gqa_bwd_row_stats_kernel where the forward kept lse2
+//     (FusedTraits::kRowStats), else the dQ kernel of bwdmma/kernels.cuh with kStats.
 //  2. One CTA per (128 keys, batch, kv head), two warpgroups of 64 keys. For every 64-row query
 //     tile at or after its keys, the last first, and every head of the group: S^T = K Q^T and
 //     dP^T = V dO^T, P^T from lse2, dS^T = P^T (dP^T - delta), dV += P^T dO, dK += dS^T Q (each
 //     warpgroup its keys), then dS^T to shared memory and dQ's share of these keys = dS K (each
 //     warpgroup 64 of dQ's columns; at width 64 the first warpgroup alone).
-//     The share is added to an fp32 sum in global memory in key-tile order: a counter per (batch,
+//     The share is added to an fp32 sum in global memory in key-tile order (the sums zeroed
+//     first, or key tile 0's share stored: FusedTraits::kFirstStores): a counter per (batch,
 //     head, query tile) says how many shares have been added, and a CTA waits for its turn (its key
 //     tile's index). CTAs start in key-tile order, so the one waited for has started; every CTA
 //     takes the query tiles in the same order, so the waits are short once under way. The sum is
@@ -63,21 +65,44 @@ template <int DP> struct FusedTraits {
     // other's dQ product and hand-over (bench/NOTES.md v104). dS^T then takes four buffers.
     static constexpr bool kPairedDq = kPipelined && DP == 64;
     // The pipelined kernel's writer hands step i's turn on once step i's reductions have
-    // completed, which it awaits after issuing step i + kTurnLag's (and frees step i's buffers
-    // after issuing step i + 1's). 2 and 3 measured slower than 1 at width 64 and no faster at
-    // 128 (bench/NOTES.md v106).
+    // completed, which it awaits after issuing step i + kTurnLag's. 2 and 3 measured slower than 1
+    // at width 64 and no faster at 128 (bench/NOTES.md v106).
     static constexpr int kTurnLag = 1;
-    // The pipelined kernel's CTAs in chunks of (batch, kv head) pairs, key tiles first within a
-    // chunk, so that the dQ sums a chunk adds to (G x T x DP floats a pair) stay in L2 while its
-    // key tiles add to them; 0: key tiles first over the whole grid (bench/NOTES.md v106). An order
-    // of pair + key tile, which spreads the long key tiles over the grid, measured slower (v107).
-    static constexpr int64_t kChunkSumBytes = DP == 64 ? 24 << 20 : 0;
+    // kFreeLate: the writer frees step i's buffers once they have been read, which it awaits after
+    // issuing step i + 1's reductions (v106); false: right after issuing step i's (before v106),
+    // which keeps the writer waiting for the read but frees the buffers a step sooner (v108).
+    static constexpr bool kFreeLate = true;
+    // kDqFirst: a warpgroup that computes a dQ share issues dK(i) behind dQ(i) (after the step's
+    // barrier), awaits dQ(i) alone and hands it over while dK(i) still runs, so that the hand-over
+    // and the writer's buffer wait sit under a product rather than between dQ(i) and S^T(i + 1)
+    // (bench/NOTES.md v110). False: dK(i) before the barrier, the hand-over after all three.
+    static constexpr bool kDqFirst = DP == 128;
+    // The pipelined kernel's CTAs in chunks of (batch, kv head) pairs (GqaBwdParams::fused_chunk),
+    // key tiles first within a chunk, so that the dQ sums a chunk adds to (G x T x DP floats a
+    // pair) stay in L2 while its key tiles add to them: pairs of at most this many bytes of sums a
+    // chunk (at least one), at width 64 always, at 128 where the longest CTAs take at most 1 /
+    // kChunkBalance128 of an SM's share (gqa_fused_grid_balanced; with fewer pairs the last chunk's
+    // long key tiles start late) (bench/NOTES.md v106, v108). An order of pair + key tile, which
+    // spreads the long key tiles over the grid, measured slower (v107).
+    static constexpr int64_t kChunkSumBytes = DP == 64 ? 24 << 20 : 64 << 20;
+    static constexpr int kChunkBalance128 = 6;
     static constexpr int kDsBuffers = kPipelined ? (kPairedDq ? 4 : 2) : 1;
     static_assert(kPipelined || !kGqaFusedScanFree, "the serial kernel returns on the inputs' scan's flag");
     // Instruments of the pipelined kernel, both true in use. kWriterTurns false: the writer adds
     // without waiting for the turn (not deterministic). kHandOverDq false: the dQ shares are
     // dropped (dQ is wrong), which leaves the products' own schedule.
     static constexpr bool kWriterTurns = true, kHandOverDq = true;
+    // kFirstStores: key tile 0, every block's first adder, stores its shares (a bulk copy) where
+    // the others add theirs, so only the counters are zeroed before the kernel, not the sums
+    // (bench/NOTES.md v109). The serial kernel and the writer without turns add to zeroed sums.
+    // False in use: compute-sanitizer's initcheck (2025.3) does not count a bulk copy to global
+    // memory as a write, so every read of a stored sum is reported as uninitialized.
+    static constexpr bool kFirstStores = false;
+    static constexpr bool kStoresFirst = kFirstStores && kPipelined && kWriterTurns;
+    // kRowStats: where the forward kept lse2, the statistics by gqa_bwd_row_stats_kernel (delta
+    // from dO and o, lse2 copied) rather than by the dQ kernel's statistics pass, which also reads
+    // q and holds a CTA's tiles in shared memory (bench/NOTES.md v109).
+    static constexpr bool kRowStats = true;
     static constexpr bool kWriter = kPipelined || kDqAdd == DqAdd::kWriter;
     static constexpr int kMmaThreads = 256;                          // the two warpgroups of products
     static constexpr int kThreads = kMmaThreads + (kWriter ? 128 : 0);
@@ -112,6 +137,12 @@ __device__ __forceinline__ void fence_async_global() { asm volatile("fence.proxy
 // Adds `bytes` of fp32 at src (shared) into dst (global), element by element, in L2.
 __device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, uint32_t bytes) {
     asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+                 "r"(static_cast<uint32_t>(__cvta_generic_to_shared(src))), "r"(bytes)
+                 : "memory");
+}
+// Copies `bytes` at src (shared) to dst (global).
+__device__ __forceinline__ void bulk_store(float* dst, const float* src, uint32_t bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst),
                  "r"(static_cast<uint32_t>(__cvta_generic_to_shared(src))), "r"(bytes)
                  : "memory");
 }
@@ -445,9 +476,8 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
     const int64_t bh_count = int64_t(p.B) * p.Hkv;
     const int n_q = (p.T + Tr::kRows - 1) / Tr::kRows;
     int kt = int(blockIdx.x / bh_count), bh = int(blockIdx.x % bh_count);
-    if constexpr (Tr::kChunkSumBytes > 0) {   // chunks of `chunk` pairs, each key tile by key tile
-        const int64_t pair_bytes = int64_t(p.group) * n_q * Tr::kRows * DP * 4, key_tiles = gridDim.x / bh_count;
-        const int64_t chunk = max(int64_t(1), Tr::kChunkSumBytes / pair_bytes), c0 = blockIdx.x / (chunk * key_tiles) * chunk;
+    if (p.fused_chunk > 0) {   // chunks of `chunk` pairs, each key tile by key tile
+        const int64_t chunk = p.fused_chunk, key_tiles = gridDim.x / bh_count, c0 = blockIdx.x / (chunk * key_tiles) * chunk;
         const int64_t in_chunk = min(chunk, bh_count - c0), r = blockIdx.x - c0 * key_tiles;
         kt = int(r / in_chunk), bh = int(c0 + r % in_chunk);
     }
@@ -486,11 +516,11 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
             return;
         }
         if (warp != 8 || !Tr::kHandOverDq) return;
-        // The writer: step i's shares, in turn. Its reductions are not awaited before the next
-        // steps': step i's buffers go back once read (wait_group.read, after step i + 1's are
-        // issued), and step i's turn is handed on once its reductions have completed (after step
-        // i + kTurnLag's are issued), so that neither the buffers nor the writer wait out the
-        // reductions' round trip to L2 at every step.
+        // The writer: step i's shares, in turn (key tile 0's stored where kStoresFirst). Its
+        // reductions are not awaited before the next steps': step i's buffers go back once read
+        // (wait_group.read, after step i + 1's are issued), and step i's turn is handed on once its
+        // reductions have completed (after step i + kTurnLag's are issued), so that neither the
+        // buffers nor the writer wait out the reductions' round trip to L2 at every step.
         auto order_at = [&](int i) { return p.dq_order + (b * p.Hq + step_head(i)) * n_q + step_tile(i); };
         for (int i = 0; i < handed; ++i) {
             const int j = i & 1;
@@ -503,7 +533,14 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
             __syncwarp();
             for (int c = 0; c < Tr::kAdders; ++c) {
                 named_sync(dq_full_id(c, j), kHandOver);
-                if (lane == 0) bulk_reduce_add(block + c * Tr::kPieceFloats, held + (2 * c + j) * Tr::kPieceFloats, Tr::kPieceFloats * 4);
+                if (lane == 0) {
+                    float *dst = block + c * Tr::kPieceFloats, *src = held + (2 * c + j) * Tr::kPieceFloats;
+                    if (Tr::kStoresFirst && kt == 0) {
+                        bulk_store(dst, src, Tr::kPieceFloats * 4);
+                    } else {
+                        bulk_reduce_add(dst, src, Tr::kPieceFloats * 4);
+                    }
+                }
             }
             if (lane == 0) {
                 bulk_commit();
@@ -512,11 +549,19 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
                     fence_async_global();
                     add_release(order_at(i - Tr::kTurnLag), Tr::kAdders);
                 }
-                bulk_wait_read<1>();   // step i - 1's buffers read
+                if constexpr (Tr::kFreeLate) {
+                    bulk_wait_read<1>();   // step i - 1's buffers read
+                } else {
+                    bulk_wait_read<0>();   // step i's
+                }
             }
             __syncwarp();
-            if (i >= 1 && i + 1 < handed)   // step i - 1's buffers, for step i + 1
-                for (int c = 0; c < Tr::kAdders; ++c) named_arrive(dq_empty_id(c, (i - 1) & 1), kHandOver);
+            if constexpr (Tr::kFreeLate) {
+                if (i >= 1 && i + 1 < handed)   // step i - 1's buffers, for step i + 1
+                    for (int c = 0; c < Tr::kAdders; ++c) named_arrive(dq_empty_id(c, (i - 1) & 1), kHandOver);
+            } else if (i + 2 < handed) {   // step i's buffers, for step i + 2
+                for (int c = 0; c < Tr::kAdders; ++c) named_arrive(dq_empty_id(c, j), kHandOver);
+            }
         }
         if (lane == 0 && handed > 0) {
             bulk_wait<0>();
@@ -661,8 +706,11 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
 #pragma unroll
             for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - column[n][e & 1]);   // dS^T
         pack_p<kBf16>(pa2, dp);
-        pv_wgmma<kBf16, DP, 64>(dk, pa2, sQ(st));   // dK += dS^T Q
-        wg_commit();
+        auto issue_dk = [&] {
+            pv_wgmma<kBf16, DP, 64>(dk, pa2, sQ(st));   // dK += dS^T Q
+            wg_commit();
+        };
+        if constexpr (!Tr::kDqFirst) issue_dk();
         store_ds_t(sdS(j), pa2, wg, cw, lane);   // dS^T into buffer j
         fence_async_proxy();
         // kPairedDq: the warpgroups meet after the second step of a pair (or a last step alone);
@@ -681,17 +729,29 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
                 wgmma_ss_n64<kBf16, 1, 1>(reinterpret_cast<float(&)[32]>(dq), wg_desc_at(ad, ks * 16 * 128),
                                           wg_desc_at(kd, ks * 16 * 128), ks > 0);
             wg_commit();
-            wg_wait<1>();   // dV(i) and dK(i); dQ(iq) still running
-            release(st);
-            wg_wait<0>();
-            if (Tr::kHandOverDq) {
-                if (iq < handed) {
-                    hand_dq(iq);
-                } else {
-                    write_dq(iq);
+            auto hand_over = [&] {
+                if (Tr::kHandOverDq) {
+                    if (iq < handed) {
+                        hand_dq(iq);
+                    } else {
+                        write_dq(iq);
+                    }
                 }
+            };
+            if constexpr (Tr::kDqFirst) {
+                issue_dk();
+                wg_wait<1>();   // dV(i) and dQ(iq); dK(i) still running
+                hand_over();
+                wg_wait<0>();
+                release(st);
+            } else {
+                wg_wait<1>();   // dV(i) and dK(i); dQ(iq) still running
+                release(st);
+                wg_wait<0>();
+                hand_over();
             }
         } else {
+            if constexpr (Tr::kDqFirst) issue_dk();
             wg_wait<0>();
             release(st);
         }
@@ -724,19 +784,69 @@ __global__ void gqa_bwd_dq_store_kernel(const GqaBwdParams p, int64_t quads) {
     }
 }
 
+// FusedTraits::kRowStats' statistics, where the forward kept lse2 (GqaBwdParams::lse2_kept): per query row, delta = dO . o
+// and the forward's lse2, into [B, Hq, T64] (bwd_stat_row; rows past T zero). One CTA per (64-row
+// query tile, batch, head), heads fastest (bwd_cta), so that neighbouring CTAs read neighbouring
+// lse2; DP / 8 threads a row, 16 bytes of dO and of o each. A row whose delta or lse2 is not
+// finite raises bit 0 of the flag, as the dQ kernel's statistics pass does: Inf or NaN in the
+// row's dO or o, an fp32 overflow of their products, or Inf or NaN in its q (which makes every
+// score of the row, and so the forward's log-sum-exp of them, Inf or NaN; q itself is not read),
+// or scores past fp32's range.
+template <bool kBf16, int DP>
+__global__ void __launch_bounds__(256) gqa_bwd_row_stats_kernel(const GqaBwdParams p) {
+    constexpr int kLanes = DP / 8, kRowsPerPass = 256 / kLanes, kPasses = 64 / kRowsPerPass;
+    static_assert(kPasses * kRowsPerPass == 64 && 32 % kLanes == 0, "a tile's rows in whole passes of whole warps");
+    const BwdCta cta = bwd_cta(p.B, p.Hq);
+    const int sub = int(threadIdx.x) % kLanes;
+    auto row_t = [&](int k) { return cta.tile * 64 + k * kRowsPerPass + int(threadIdx.x) / kLanes; };
+    uint4 x[kPasses], y[kPasses];
+#pragma unroll
+    for (int k = 0; k < kPasses; ++k) {   // every pass's reads first
+        const int t = row_t(k);
+        x[k] = y[k] = make_uint4(0u, 0u, 0u, 0u);
+        if (t < p.T) {
+            const int64_t row = ((cta.b * p.T + t) * p.Hq + cta.head) * int64_t(DP);
+            x[k] = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.dout) + row) + sub);
+            y[k] = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.o) + row) + sub);
+        }
+    }
+    bool bad = false;
+#pragma unroll
+    for (int k = 0; k < kPasses; ++k) {
+        float sum = dot8_16bit(x[k], y[k], 0.f, kBf16);
+#pragma unroll
+        for (int m = 1; m < kLanes; m *= 2) sum += __shfl_xor_sync(0xffffffffu, sum, m);
+        const int t = row_t(k);
+        if (sub == 0) {
+            const int64_t stat = bwd_stat_row(cta.b, cta.head, t, p);
+            const float lse2 = t < p.T ? p.lse2_in[(cta.b * p.T + t) * p.Hq + cta.head] : 0.f;
+            bad = bad || (t < p.T && !(isfinite(lse2) && isfinite(sum)));
+            p.lse2[stat] = lse2;
+            p.delta[stat] = t < p.T ? sum : 0.f;
+        }
+    }
+    flag_nonfinite(p, bad);
+}
+
 // The statistics pass and the fused kernel (without kLastWrites then the store kernel), on the same
 // stream after the flag is zeroed (or the inputs' scan, without kGqaFusedScanFree: attention.cu);
-// the sum and the counters start from zero.
+// the counters (and, unless kStoresFirst, the sums) start from zero.
 template <class Pol>
-cudaError_t fused_launch(const GqaBwdParams& p, cudaStream_t stream, int dev) {
+cudaError_t fused_launch(const GqaBwdParams& p_in, cudaStream_t stream, int dev) {
     constexpr bool kBf16 = Pol::kBf16;
     constexpr int DP = Pol::DP;
     using Tr = FusedTraits<DP>;
-    if (p.dtype != (kBf16 ? kGqaBFloat16 : kGqaFloat16) || p.D != DP || p.dq_accum == nullptr) return cudaErrorInvalidValue;
+    if (p_in.dtype != (kBf16 ? kGqaBFloat16 : kGqaFloat16) || p_in.D != DP || p_in.dq_accum == nullptr) return cudaErrorInvalidValue;
+    GqaBwdParams p = p_in;
+    const int64_t pair_bytes = int64_t(p.group) * ((p.T + Tr::kRows - 1) / Tr::kRows) * Tr::kRows * DP * 4;
+    const bool chunked = DP == 64 || gqa_fused_grid_balanced(p, sm_count(dev), Tr::kChunkBalance128);
+    const int64_t pairs = int64_t(p.B) * p.Hkv, fit = Tr::kChunkSumBytes / pair_bytes > 1 ? Tr::kChunkSumBytes / pair_bytes : 1;
+    p.fused_chunk = chunked ? int(fit < pairs ? fit : pairs) : 0;
     static bool raised_stats[kMaxDevices] = {}, raised_fused[kMaxDevices] = {};
     const int64_t q_tiles = (p.T + kTile - 1) / kTile, key_tiles = (p.T + Tr::kKeys - 1) / Tr::kKeys;
     const int64_t stats_ctas = (q_tiles + Pol::kRowGroups - 1) / Pol::kRowGroups * p.B * p.Hq, fused_ctas = key_tiles * p.B * p.Hkv;
-    if (stats_ctas > 0x7fffffff || fused_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
+    const int64_t row_stats_ctas = (p.T + 63) / 64 * p.B * p.Hq;
+    if (stats_ctas > 0x7fffffff || fused_ctas > 0x7fffffff || row_stats_ctas > 0x7fffffff) return cudaErrorInvalidConfiguration;
     cudaError_t err = raise_smem_limit(gqa_bwd_dq_kernel<Pol, true>, BwdSmem<Pol>::kDq, dev, raised_stats);
     if (err == cudaSuccess) {
         if constexpr (Tr::kPipelined) {
@@ -747,10 +857,17 @@ cudaError_t fused_launch(const GqaBwdParams& p, cudaStream_t stream, int dev) {
     }
     typename Pol::Maps maps;
     if (err == cudaSuccess) err = Pol::make_maps(p, &maps);
-    if (err == cudaSuccess)
-        err = cudaMemsetAsync(p.dq_accum, 0, gqa_fused_dq_floats(p) * sizeof(float), stream);
+    if (err == cudaSuccess) {
+        const int64_t blocks = int64_t(p.B) * p.Hq * ((p.T + 63) / 64);   // the counters follow the sums
+        err = Tr::kStoresFirst ? cudaMemsetAsync(p.dq_order, 0, blocks * sizeof(int), stream)
+                               : cudaMemsetAsync(p.dq_accum, 0, gqa_fused_dq_floats(p) * sizeof(float), stream);
+    }
     if (err != cudaSuccess) return err;
-    gqa_bwd_dq_kernel<Pol, true><<<unsigned(stats_ctas), kThreads * Pol::kRowGroups, BwdSmem<Pol>::kDq, stream>>>(p, maps);
+    if (Tr::kRowStats && p.lse2_in != nullptr && p.lse2_kept) {
+        gqa_bwd_row_stats_kernel<kBf16, DP><<<unsigned(row_stats_ctas), 256, 0, stream>>>(p);
+    } else {
+        gqa_bwd_dq_kernel<Pol, true><<<unsigned(stats_ctas), kThreads * Pol::kRowGroups, BwdSmem<Pol>::kDq, stream>>>(p, maps);
+    }
     if constexpr (Tr::kPipelined) {
         gqa_bwd_pipe_kernel<Pol><<<unsigned(fused_ctas), Tr::kThreads, Tr::kSmem, stream>>>(p, maps);
     } else {

@@ -152,7 +152,6 @@ template <int DP_> struct X3Products : BwdTmaLoads<kTile, 2 * DP_> {
     // one warpgroup an SM at width 128 that lost 1.2x here (v74).
     static constexpr bool kEarlyIssue = false;
     static constexpr bool kFixedA = false;   // (bwdwg/bwdwg.cu)
-    static constexpr bool kFixedQ = false, kFixedDo = false;
     static constexpr int kDqCtas = 0;        // (bwdmma/kernels.cuh)
     static constexpr bool kDeltaFix = true;   // (bwdmma/kernels.cuh)
     // sum_j P_ij K_j needs about 1e-3 of its size (c_i is about 1e-6 of the row's scale): 32
