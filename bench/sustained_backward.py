@@ -4,10 +4,10 @@ Prints the median of the first 10 calls and of the second half, with the clock a
 medians. The benchmark's backward (do_bench, about 100 ms of calls) measures near the sustained
 state (bench/NOTES.md v99).
 
-    python3 bench/sustained_backward.py [--seconds 4] project:16,2048,32,8,64 sdpa_cudnn:16,2048,32,8,64 ...
+    python3 bench/sustained_backward.py [--seconds 4] [--dtype fp16] project:16,2048,32,8,64 sdpa_cudnn:16,2048,32,8,64 ...
 
 Each run is IMPL:B,T,Hq,Hkv,D, IMPL one of the benchmark's implementations (bench_gqa.py's names,
-built by its gqa_bench.impls); bf16 inputs from seed 0.
+built by its gqa_bench.impls); bf16 (or --dtype fp16) inputs from seed 0.
 """
 import argparse
 import os
@@ -44,13 +44,16 @@ def parse_seconds(text):
     return seconds
 
 
-def run(impls, impl, shape, seconds):
+DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def run(impls, impl, shape, seconds, dtype):
     """One sustained loop; returns (call times in ms, [(SM MHz, W)] samples)."""
     B, T, Hq, Hkv, D = shape
     torch.manual_seed(0)
-    leaves = [torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16).requires_grad_(True) for H in (Hq, Hkv, Hkv)]
+    leaves = [torch.randn(B, T, H, D, device="cuda", dtype=getattr(torch, dtype)).requires_grad_(True) for H in (Hq, Hkv, Hkv)]
     grad = torch.randn_like(leaves[0])
-    fn, make_ctx = impls.build(impl, shape, "bfloat16", leaves)
+    fn, make_ctx = impls.build(impl, shape, dtype, leaves)
     with make_ctx():   # (an SDPA backend's choice; the backward follows the forward's)
         out = fn(*leaves)
     torch.autograd.grad(out, leaves, grad, retain_graph=True)
@@ -80,10 +83,11 @@ def main():
     parser = argparse.ArgumentParser(description="The 16-bit backward under sustained load, with clock and power.")
     parser.add_argument("runs", nargs="+", type=parse_run, help="IMPL:B,T,Hq,Hkv,D")
     parser.add_argument("--seconds", type=parse_seconds, default=4.0)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     args = parser.parse_args()
     impls = Implementations(torch, {"gqa_module": gqa_module}, {})
     for impl, shape in args.runs:
-        times, samples = run(impls, impl, shape, args.seconds)
+        times, samples = run(impls, impl, shape, args.seconds, DTYPES[args.dtype])
         clocks, watts = [c for c, _ in samples], [w for _, w in samples]
         n = len(times)
         print("%-5s %s calls %d: first 10 median %.3f ms, last half median %.3f ms | SM clock median %.0f MHz (min %.0f), "

@@ -3,10 +3,10 @@ stage count): each variant is a copy of this checkout with text replaced in kern
 timed in its own process, so every variant builds its own units (all variants' builds run at
 once first, then the timings one at a time).
 
-    python3 bench/variants.py --out variants.json [--only NAME,...] [--timeout 300] [--dtype fp32] [--backward-only]
+    python3 bench/variants.py --out variants.json [--only NAME,...] [--timeout 300] [--dtype fp16|fp32] [--backward-only]
 
 A variant whose replacement text is not found fails before anything runs. Times are CUDA-event
-timings of back-to-back calls (bf16, or with --dtype fp32 the fp32 backward alone; the best of 3
+timings of back-to-back calls (bf16, or with --dtype fp16/fp32 that backward alone; the best of 3
 repeats), with a max-abs error against SDPA in fp32 on the small shapes, so a broken variant
 shows; the backward rows time a forward and backward and subtract the forward, and give the
 gradients' error against float64 on a slice of the shape (T = 333; 4097 with --dtype fp32). The
@@ -44,10 +44,11 @@ VARIANTS = {
     "fused_no_turns": [FUSED, (DQ_ADD[0], "kWriterTurns = true,", "kWriterTurns = false,")],
     "fused_no_dq_adds": [FUSED, (DQ_ADD[0], "kHandOverDq = true;", "kHandOverDq = false;")],
     "writer_frees_on_read": [(DQ_ADD[0], "kFreeLate = true;", "kFreeLate = false;")],
+    "writer_frees_on_read_at_64": [(DQ_ADD[0], "kFreeLate = true;", "kFreeLate = DP == 128;")],
     "no_chunks_at_128": [(DQ_ADD[0], "kChunkBalance128 = 6;", "kChunkBalance128 = 1 << 20;")],
     "chunks_at_128_always": [(DQ_ADD[0], "kChunkBalance128 = 6;", "kChunkBalance128 = 0;")],
-    "dk_before_dq": [(DQ_ADD[0], "kDqFirst = DP == 128;", "kDqFirst = false;")],
-    "dq_first_at_64": [(DQ_ADD[0], "kDqFirst = DP == 128;", "kDqFirst = true;")],
+    "dk_before_dq": [(DQ_ADD[0], "kDqFirst = true;", "kDqFirst = false;")],
+    "dq_first_at_128_only": [(DQ_ADD[0], "kDqFirst = true;", "kDqFirst = DP == 128;")],
     "first_stores": [(DQ_ADD[0], "kFirstStores = false;", "kFirstStores = true;")],
     "stats_by_dq_kernel": [(DQ_ADD[0], "kRowStats = true;", "kRowStats = false;")],
     "dq_store_kernel": [(DQ_ADD[0], "kLastWrites = kPipelined;", "kLastWrites = false;")],
@@ -198,8 +199,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="where to write the JSON")
     parser.add_argument("--only", help="comma-separated variant names")
-    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
-                        help="fp32: the fp32 backward alone (FP32_BACKWARD_SHAPES), no forward rows")
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
+                        help="fp16: the fp16 backward rows alone; fp32: the fp32 backward alone (FP32_BACKWARD_SHAPES); "
+                             "both without forward rows")
     parser.add_argument("--backward-only", action="store_true", help="bf16: the backward rows alone, no forward rows")
     parser.add_argument("--timeout", type=int, default=300,
                         help="seconds for the builds (all variants at once), then for each variant's timing")
@@ -211,10 +213,11 @@ def main():
     root = tempfile.mkdtemp(prefix="gqa-variants-")
     copies = {name: make_copy(name, VARIANTS[name], root) for name in names}   # every edit checked first
     results = {}
-    shapes, bwd_shapes = (SHAPES, BACKWARD_SHAPES) if args.dtype == "bf16" else ([], FP32_BACKWARD_SHAPES)
+    shapes, bwd_shapes = {"bf16": (SHAPES, BACKWARD_SHAPES), "fp16": ([], BACKWARD_SHAPES),
+                          "fp32": ([], FP32_BACKWARD_SHAPES)}[args.dtype]
     if args.backward_only:
         shapes = []
-    dtype, slice_t = ("bfloat16", "333") if args.dtype == "bf16" else ("float32", "4097")
+    dtype, slice_t = {"bf16": ("bfloat16", "333"), "fp16": ("float16", "333"), "fp32": ("float32", "4097")}[args.dtype]
     warm = {name: subprocess.Popen([sys.executable, "-c", WARM, json.dumps(shapes), json.dumps(bwd_shapes), dtype],
                                    cwd=copies[name], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for name in names}
