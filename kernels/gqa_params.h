@@ -90,8 +90,8 @@ struct GqaBwdParams {
     void* work;
     // Null, or the forward's lse2 (GqaParams::lse2): rows holding a number need no first pass.
     const float* lse2_in;
-    // lse2_in comes from a forward whose plan keeps every row (the wgmma family's; the others leave
-    // it NaN): the fused kernel's statistics then take it as it is (FusedTraits::kRowStats).
+    // lse2_in is set and comes from a forward whose plan keeps every row (the wgmma family's; the
+    // others leave it NaN): the fused kernel's statistics then take it as it is (FusedTraits::kRowStats).
     bool lse2_kept;
     bool rows_if_nonfinite;   // the row-wise kernels run only when *nonfinite is set
     bool fused;               // gqa_backward_fused: the wgmma unit runs its fused kernel

@@ -49,10 +49,10 @@ template <int DP> struct FusedTraits {
     static constexpr DqAdd kDqAdd = DqAdd::kTurn;
     // The pipelined step (gqa_bwd_pipe_kernel, bench/NOTES.md v91, v92): a producer warp loads each
     // step's Q, dO and statistics into a ring of two stages, dS^T has two buffers, dQ(i) is issued
-    // while dV(i) and dK(i) still run, and its share goes to the writer warp, which adds it in turn
-    // (kWriter's hand-over); step i + 1's S^T and dP^T are issued after that hand-over (issuing them
-    // before it serialises the products: v94). At width 64 the warpgroups take the dQ products in
-    // turn, a step each.
+    // while dV(i) still runs (and dK(i), without kDqFirst), and its share goes to the writer warp,
+    // which adds it in turn (kWriter's hand-over); step i + 1's S^T and dP^T are issued after that
+    // hand-over (issuing them before it serialises the products: v94). At width 64 the warpgroups
+    // take the dQ products in turn, a step each.
     static constexpr bool kPipelined = true;
     // The pipelined kernel writes dQ itself (bench/NOTES.md v93, v96): a block's last key tile
     // (query tiles 2 kt and 2 kt + 1, the CTA's last steps) adds its share from the warpgroups'
@@ -71,12 +71,14 @@ template <int DP> struct FusedTraits {
     // kFreeLate: the writer frees step i's buffers once they have been read, which it awaits after
     // issuing step i + 1's reductions (v106); false: right after issuing step i's (before v106),
     // which keeps the writer waiting for the read but frees the buffers a step sooner (v108).
-    static constexpr bool kFreeLate = true;
-    // kDqFirst: a warpgroup that computes a dQ share issues dK(i) behind dQ(i) (after the step's
-    // barrier), awaits dQ(i) alone and hands it over while dK(i) still runs, so that the hand-over
-    // and the writer's buffer wait sit under a product rather than between dQ(i) and S^T(i + 1)
-    // (bench/NOTES.md v110). False: dK(i) before the barrier, the hand-over after all three.
-    static constexpr bool kDqFirst = DP == 128;
+    static constexpr bool kFreeLate = DP == 128;
+    // kDqFirst: a warpgroup that computes a dQ share in step i issues dK(i) behind that dQ product
+    // (after the step's barrier), awaits the dQ product alone and hands it over while dK(i) still
+    // runs, so that the hand-over and the writer's buffer wait sit under a product rather than
+    // between the dQ product and S^T(i + 1) (bench/NOTES.md v110; width 64 v111). A step without a
+    // dQ share (width 64, kPairedDq) issues dK(i) before the dS^T stores, as without the trait.
+    // False: dK(i) before the barrier, the hand-over after all three products.
+    static constexpr bool kDqFirst = true;
     // The pipelined kernel's CTAs in chunks of (batch, kv head) pairs (GqaBwdParams::fused_chunk),
     // key tiles first within a chunk, so that the dQ sums a chunk adds to (G x T x DP floats a
     // pair) stay in L2 while its key tiles add to them: pairs of at most this many bytes of sums a
@@ -710,15 +712,15 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
             pv_wgmma<kBf16, DP, 64>(dk, pa2, sQ(st));   // dK += dS^T Q
             wg_commit();
         };
-        if constexpr (!Tr::kDqFirst) issue_dk();
-        store_ds_t(sdS(j), pa2, wg, cw, lane);   // dS^T into buffer j
-        fence_async_proxy();
         // kPairedDq: the warpgroups meet after the second step of a pair (or a last step alone);
         // the step whose dQ share this warpgroup computes then is iq = the pair's first + wg.
         const bool meet = !Tr::kPairedDq || (i & 1) == 1 || i + 1 == steps;
         const int iq = Tr::kPairedDq ? (i & ~1) + wg : i;
-        if (meet) named_sync(1, Tr::kMmaThreads);   // both warpgroups' dS^T up to i; both finished their earlier dQ
         const bool mine = meet && (Tr::kPairedDq ? iq <= i : dq_here(i));
+        if (!(Tr::kDqFirst && mine)) issue_dk();
+        store_ds_t(sdS(j), pa2, wg, cw, lane);   // dS^T into buffer j
+        fence_async_proxy();
+        if (meet) named_sync(1, Tr::kMmaThreads);   // both warpgroups' dS^T up to i; both finished their earlier dQ
         if (mine) {   // dQ's share: 64 query rows x columns 64 cb .. + 63, over the 128 keys
             const unsigned char* a = reinterpret_cast<const unsigned char*>(sdS(iq % Tr::kDsBuffers));
             const unsigned char* kb = reinterpret_cast<const unsigned char*>(sK) + cb * 128 * 128;
@@ -751,7 +753,6 @@ __global__ void __launch_bounds__(FusedTraits<Pol::DP>::kThreads, 1)
                 hand_over();
             }
         } else {
-            if constexpr (Tr::kDqFirst) issue_dk();
             wg_wait<0>();
             release(st);
         }
@@ -863,7 +864,7 @@ cudaError_t fused_launch(const GqaBwdParams& p_in, cudaStream_t stream, int dev)
                                : cudaMemsetAsync(p.dq_accum, 0, gqa_fused_dq_floats(p) * sizeof(float), stream);
     }
     if (err != cudaSuccess) return err;
-    if (Tr::kRowStats && p.lse2_in != nullptr && p.lse2_kept) {
+    if (Tr::kRowStats && p.lse2_kept) {   // (lse2_kept implies lse2_in: GqaBwdParams)
         gqa_bwd_row_stats_kernel<kBf16, DP><<<unsigned(row_stats_ctas), 256, 0, stream>>>(p);
     } else {
         gqa_bwd_dq_kernel<Pol, true><<<unsigned(stats_ctas), kThreads * Pol::kRowGroups, BwdSmem<Pol>::kDq, stream>>>(p, maps);
