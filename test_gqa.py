@@ -377,6 +377,20 @@ def _load_bench():
     return load_bench_script("bench_gqa")
 
 
+def test_every_variant_edits_the_current_kernels():
+    """bench/variants.py's replacements each find their text exactly once in this checkout, so a
+    trait changed in kernels/ cannot leave a variant that fails only once it reaches the GPU."""
+    variants = load_bench_script("variants")
+    stale = []
+    for name, edits in variants.VARIANTS.items():
+        for path, old, _new in edits:
+            with open(os.path.join(HERE, path)) as fh:
+                found = fh.read().count(old)
+            if found != 1:
+                stale.append((name, path, old, found))
+    assert not stale, stale
+
+
 def test_bench_backward_rows_are_planned_and_valid():
     """--backward adds the backward mode at every scale shape (not the harness shape), and a row
     in that mode passes the results schema; an unknown mode does not."""

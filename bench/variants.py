@@ -43,8 +43,8 @@ VARIANTS = {
     "writer_dq_add": [FUSED, SERIAL, SCANNED, (DQ_ADD[0], DQ_ADD[1], "kDqAdd = DqAdd::kWriter;")],
     "fused_no_turns": [FUSED, (DQ_ADD[0], "kWriterTurns = true,", "kWriterTurns = false,")],
     "fused_no_dq_adds": [FUSED, (DQ_ADD[0], "kHandOverDq = true;", "kHandOverDq = false;")],
-    "writer_frees_on_read": [(DQ_ADD[0], "kFreeLate = true;", "kFreeLate = false;")],
-    "writer_frees_on_read_at_64": [(DQ_ADD[0], "kFreeLate = true;", "kFreeLate = DP == 128;")],
+    "writer_frees_on_read": [(DQ_ADD[0], "kFreeLate = DP == 128;", "kFreeLate = false;")],
+    "writer_frees_late_at_64": [(DQ_ADD[0], "kFreeLate = DP == 128;", "kFreeLate = true;")],   # before v112
     "no_chunks_at_128": [(DQ_ADD[0], "kChunkBalance128 = 6;", "kChunkBalance128 = 1 << 20;")],
     "chunks_at_128_always": [(DQ_ADD[0], "kChunkBalance128 = 6;", "kChunkBalance128 = 0;")],
     "dk_before_dq": [(DQ_ADD[0], "kDqFirst = true;", "kDqFirst = false;")],
@@ -213,11 +213,11 @@ def main():
     root = tempfile.mkdtemp(prefix="gqa-variants-")
     copies = {name: make_copy(name, VARIANTS[name], root) for name in names}   # every edit checked first
     results = {}
-    shapes, bwd_shapes = {"bf16": (SHAPES, BACKWARD_SHAPES), "fp16": ([], BACKWARD_SHAPES),
-                          "fp32": ([], FP32_BACKWARD_SHAPES)}[args.dtype]
+    shapes, bwd_shapes, dtype, slice_t = {"bf16": (SHAPES, BACKWARD_SHAPES, "bfloat16", "333"),
+                                          "fp16": ([], BACKWARD_SHAPES, "float16", "333"),
+                                          "fp32": ([], FP32_BACKWARD_SHAPES, "float32", "4097")}[args.dtype]
     if args.backward_only:
         shapes = []
-    dtype, slice_t = {"bf16": ("bfloat16", "333"), "fp16": ("float16", "333"), "fp32": ("float32", "4097")}[args.dtype]
     warm = {name: subprocess.Popen([sys.executable, "-c", WARM, json.dumps(shapes), json.dumps(bwd_shapes), dtype],
                                    cwd=copies[name], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for name in names}
