@@ -3,6 +3,7 @@
 Every numeric check compares against reference.causal_gqa_reference, a float64 computation.
 """
 
+import contextlib
 import importlib.util
 import itertools
 import json
@@ -440,6 +441,34 @@ def test_bench_rounds_give_the_median_and_each_rounds_ratio():
     assert "rounds" not in single.rows[0] and "round by round" not in _ratio_line(single.rows + [peer])
     with pytest.raises(SystemExit):
         bench.parse_args(["--rounds", "0"])
+
+
+def test_bench_takes_fa4_only_where_it_imports_and_only_in_16_bit(monkeypatch):
+    """fa4 (FlashAttention-4) is a peer of the forward and the backward where flash_attn.cute
+    imports: absent, the run drops it with one note and writes no rows for it; present, it runs in
+    fp16 and bf16 only and refuses fp32 by name."""
+    _load_bench()
+    from gqa_bench import impls as impls_mod
+    from gqa_bench.config import BACKWARD_IMPLS
+    from gqa_bench.runner import Bench
+
+    assert "fa4" in impls_mod.IMPL_NAMES and "fa4" in BACKWARD_IMPLS and "fa4" not in impls_mod.NON_PEERS
+    fake_torch = types.SimpleNamespace(cuda=types.SimpleNamespace(get_device_name=lambda: "g"),
+                                       no_grad=contextlib.nullcontext)
+    seen = []
+    for missing in ("FlashAttention-4 (flash_attn.cute) not importable: ModuleNotFoundError", None):
+        runs = Bench(fake_torch)
+        runs.impls = impls_mod.Implementations(fake_torch, {}, {})
+        runs.run_config = lambda shape, dtype_name, modes, names: seen.append((missing, dtype_name, tuple(names)))
+        monkeypatch.setitem(impls_mod.OPTIONAL, "fa4", lambda missing=missing: missing)
+        plan = [((4, 1024, 32, 8, 128), "float32", ("back_to_back",)), ((4, 1024, 32, 8, 128), "bfloat16", ("back_to_back",))]
+        runs.run(plan, ["project", "sdpa_cudnn", "fa4"], lambda: None)
+        assert runs.rows == []
+        assert [n for n in runs.impls.notes if "fa4" in n] == ([f"no fa4 rows: {missing}"] if missing else [])
+    assert seen == [(seen[0][0], "float32", ("project", "sdpa_cudnn")), (seen[0][0], "bfloat16", ("project", "sdpa_cudnn")),
+                    (None, "float32", ("project", "sdpa_cudnn")), (None, "bfloat16", ("project", "sdpa_cudnn", "fa4"))]
+    with pytest.raises(ValueError, match="fa4 takes float16 and bfloat16, not float32"):
+        impls_mod.BUILDERS["fa4"](None, (4, 1024, 32, 8, 128), "float32", ())
 
 
 def test_committed_results_match_schema_and_current_kernel():

@@ -167,6 +167,29 @@ def _flex(impls, shape, dtype_name, inputs):
     raise first_error
 
 
+def fa4_missing():
+    """None where FlashAttention-4 (the package flash_attn.cute) imports, else why not."""
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception as e:  # absent, or present without its CuTe DSL runtime
+        return f"FlashAttention-4 (flash_attn.cute) not importable: {format_error(e)[:160]}"
+    return None
+
+
+def _fa4(impls, shape, dtype_name, inputs):
+    """FlashAttention-4's causal attention on [B, T, H, D] inputs, GQA native, its default
+    (non-deterministic) backward."""
+    if dtype_name not in SIXTEEN_BIT:
+        raise ValueError(f"fa4 takes float16 and bfloat16, not {dtype_name}")
+    from flash_attn.cute import flash_attn_func
+
+    def fa4(q, k, v):
+        out = flash_attn_func(q, k, v, causal=True)
+        return out[0] if isinstance(out, tuple) else out
+
+    return fa4, NULL
+
+
 BUILDERS = {
     "project": _project,
     "reference_loops": _reference_loops,
@@ -177,6 +200,7 @@ BUILDERS = {
     "sdpa_flash": functools.partial(_sdpa_backend, "FLASH_ATTENTION", _sdpa_gqa_fn),
     "sdpa_cudnn": functools.partial(_sdpa_backend, "CUDNN_ATTENTION", _sdpa_gqa_fn),
     "flex": _flex,
+    "fa4": _fa4,
     "empty_call": functools.partial(_floor, "empty_call"),
     "read_floor": functools.partial(_floor, "read_floor"),
 }
@@ -186,6 +210,11 @@ IMPL_NAMES = tuple(BUILDERS)
 FLOORS = ("read_floor", "empty_call")
 # Implementations that are not peers when picking the best competitor.
 NON_PEERS = ("project",) + FLOORS + ("reference_loops",)
+SIXTEEN_BIT = ("float16", "bfloat16")
+# Implementations run only where their package imports (else the run says so once, in its notes),
+# and only in SIXTEEN_BIT.
+OPTIONAL = {"fa4": fa4_missing}
+SIXTEEN_BIT_ONLY = ("fa4",)
 # Implementations run at the harness shape only.
 HARNESS_ONLY = ("reference_loops", "read_floor")
 

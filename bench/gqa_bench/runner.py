@@ -12,7 +12,7 @@ import warnings
 from .check import check, reference_for
 from .config import BACKWARD_FLOP_FACTOR, BACKWARD_IMPLS, BACKWARD_MODE, MEMORY_FRACTION, REPO_ROOT, ROUND_MODES
 from .errors import format_error
-from .impls import HARNESS_ONLY, Implementations, estimate_bytes, materialises_scores
+from .impls import HARNESS_ONLY, OPTIONAL, SIXTEEN_BIT, SIXTEEN_BIT_ONLY, Implementations, estimate_bytes, materialises_scores
 from .schema import COMPILE_KEYS
 from .shapes import HARNESS_SHAPE, flops_of
 from .timing import Timer
@@ -117,9 +117,11 @@ class Bench:
 
     def run(self, plan, impls_all, save) -> None:
         """Measure every configuration of the plan, calling save() after each."""
+        impls_all = self.present(impls_all)
         with self.torch.no_grad():
             for shape, dtype_name, modes in plan:
-                impls = [i for i in impls_all if not (i in HARNESS_ONLY and shape != HARNESS_SHAPE)]
+                impls = [i for i in impls_all if not (i in HARNESS_ONLY and shape != HARNESS_SHAPE)
+                         and not (i in SIXTEEN_BIT_ONLY and dtype_name not in SIXTEEN_BIT)]
                 if not impls:
                     continue
                 try:
@@ -128,6 +130,19 @@ class Bench:
                     self.log(f"configuration {shape} {dtype_name} failed: {format_error(e)}")
                     self.cleanup()
                 save()
+
+    def present(self, names):
+        """names without the optional implementations whose package does not import; each one
+        dropped is said once in the report's notes."""
+        kept = []
+        for name in names:
+            missing = OPTIONAL[name]() if name in OPTIONAL else None
+            if missing:
+                self.impls.notes.append(f"no {name} rows: {missing}")
+                self.log(f"no {name} rows: {missing}")
+            else:
+                kept.append(name)
+        return kept
 
     # -- memory ----------------------------------------------------------------
     def cleanup(self):
