@@ -467,8 +467,25 @@ def test_bench_takes_fa4_only_where_it_imports_and_only_in_16_bit(monkeypatch):
         assert [n for n in runs.impls.notes if "fa4" in n] == ([f"no fa4 rows: {missing}"] if missing else [])
     assert seen == [(seen[0][0], "float32", ("project", "sdpa_cudnn")), (seen[0][0], "bfloat16", ("project", "sdpa_cudnn")),
                     (None, "float32", ("project", "sdpa_cudnn")), (None, "bfloat16", ("project", "sdpa_cudnn", "fa4"))]
-    with pytest.raises(ValueError, match="fa4 takes float16 and bfloat16, not float32"):
-        impls_mod.BUILDERS["fa4"](None, (4, 1024, 32, 8, 128), "float32", ())
+    for name in ("fa4", "fa4_deterministic"):
+        assert name in BACKWARD_IMPLS and name in impls_mod.OPTIONAL and name in impls_mod.SIXTEEN_BIT_ONLY
+        with pytest.raises(ValueError, match="fa4 takes float16 and bfloat16, not float32"):
+            impls_mod.BUILDERS[name](None, (4, 1024, 32, 8, 128), "float32", ())
+
+
+def test_bench_dtypes_keep_only_the_named_dtypes():
+    """--dtypes bfloat16,float16 plans the scale shapes in those dtypes alone (so no harness
+    shape, which is fp32); an unknown dtype is refused by name."""
+    bench = _load_bench()
+    from gqa_bench.shapes import build_plan
+
+    full, _ = build_plan(bench.parse_args(["--no-sweep", "--backward"]))
+    plan, _ = build_plan(bench.parse_args(["--no-sweep", "--backward", "--dtypes", "bfloat16,float16"]))
+    assert plan == [step for step in full if step[1] in ("bfloat16", "float16")] and len(plan) == 10
+    _, sweep = build_plan(bench.parse_args(["--dtypes", "float32"]))
+    assert list(sweep) == ["float32"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--dtypes", "bf16"])
 
 
 def test_committed_results_match_schema_and_current_kernel():

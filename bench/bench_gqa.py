@@ -27,7 +27,7 @@ if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
 from gqa_bench.compile_time import compile_figures  # noqa: E402
-from gqa_bench.config import DEFAULT_OUT  # noqa: E402
+from gqa_bench.config import DEFAULT_OUT, DTYPE_NAMES  # noqa: E402
 from gqa_bench.impls import IMPL_NAMES  # noqa: E402
 from gqa_bench.report import render_md, write_reports  # noqa: E402
 from gqa_bench.runner import Bench, cuda_torch  # noqa: E402
@@ -51,6 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--only", type=str, default=None, help="comma-separated implementation names to run")
     p.add_argument("--sweep-fp16", action="store_true", help="also run the T sweep in float16 (adds ~1-2 min)")
     p.add_argument("--no-sweep", action="store_true", help="the harness and scale shapes only, no T sweep (about half the time)")
+    p.add_argument("--dtypes", type=str, default=None,
+                   help="comma-separated dtypes to run (float32, bfloat16, float16); default all")
     p.add_argument("--backward", action="store_true",
                    help="also time the backward at the scale shapes (project and the SDPA backends that train)")
     p.add_argument("--rounds", type=int, default=1,
@@ -59,6 +61,12 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.dtypes:
+        dtypes = [s.strip() for s in args.dtypes.split(",") if s.strip()]
+        bad = [d for d in dtypes if d not in DTYPE_NAMES]
+        if bad or not dtypes:
+            p.error(f"--dtypes takes a comma-separated list from {', '.join(DTYPE_NAMES)}, got {args.dtypes!r}")
+        args.dtypes = tuple(dtypes)
     if args.only:
         names = [s.strip() for s in args.only.split(",") if s.strip()]
         bad = [n for n in names if n not in IMPL_NAMES]

@@ -10,7 +10,7 @@ MODES = ("harness", "back_to_back", "graph")
 BACKWARD_MODE = "backward"
 ALL_MODES = MODES + (BACKWARD_MODE,)
 BACKWARD_FLOP_FACTOR = 2.5
-BACKWARD_IMPLS = ("project", "sdpa_expand_efficient", "sdpa_flash", "sdpa_cudnn", "fa4")
+BACKWARD_IMPLS = ("project", "sdpa_expand_efficient", "sdpa_flash", "sdpa_cudnn", "fa4", "fa4_deterministic")
 # The modes --rounds repeats: every implementation of a shape timed once a round, in turn, so that a
 # drift of the card's clock between implementations reaches them all alike.
 ROUND_MODES = ("back_to_back", BACKWARD_MODE)

@@ -176,15 +176,15 @@ def fa4_missing():
     return None
 
 
-def _fa4(impls, shape, dtype_name, inputs):
-    """FlashAttention-4's causal attention on [B, T, H, D] inputs, GQA native, its default
-    (non-deterministic) backward."""
+def _fa4(deterministic, impls, shape, dtype_name, inputs):
+    """FlashAttention-4's causal attention on [B, T, H, D] inputs, GQA native; its backward is
+    deterministic only where asked (not its default)."""
     if dtype_name not in SIXTEEN_BIT:
         raise ValueError(f"fa4 takes float16 and bfloat16, not {dtype_name}")
     from flash_attn.cute import flash_attn_func
 
     def fa4(q, k, v):
-        out = flash_attn_func(q, k, v, causal=True)
+        out = flash_attn_func(q, k, v, causal=True, deterministic=deterministic)
         return out[0] if isinstance(out, tuple) else out
 
     return fa4, NULL
@@ -200,7 +200,8 @@ BUILDERS = {
     "sdpa_flash": functools.partial(_sdpa_backend, "FLASH_ATTENTION", _sdpa_gqa_fn),
     "sdpa_cudnn": functools.partial(_sdpa_backend, "CUDNN_ATTENTION", _sdpa_gqa_fn),
     "flex": _flex,
-    "fa4": _fa4,
+    "fa4": functools.partial(_fa4, False),
+    "fa4_deterministic": functools.partial(_fa4, True),
     "empty_call": functools.partial(_floor, "empty_call"),
     "read_floor": functools.partial(_floor, "read_floor"),
 }
@@ -213,8 +214,8 @@ NON_PEERS = ("project",) + FLOORS + ("reference_loops",)
 SIXTEEN_BIT = ("float16", "bfloat16")
 # Implementations run only where their package imports (else the run says so once, in its notes),
 # and only in SIXTEEN_BIT.
-OPTIONAL = {"fa4": fa4_missing}
-SIXTEEN_BIT_ONLY = ("fa4",)
+OPTIONAL = {"fa4": fa4_missing, "fa4_deterministic": fa4_missing}
+SIXTEEN_BIT_ONLY = ("fa4", "fa4_deterministic")
 # Implementations run at the harness shape only.
 HARNESS_ONLY = ("reference_loops", "read_floor")
 

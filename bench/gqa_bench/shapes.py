@@ -50,4 +50,8 @@ def build_plan(args):
                 shapes.append(shape)
                 add(shape, d)
             sweep_shapes[d] = shapes
+    dtypes_only = getattr(args, "dtypes", None)
+    if dtypes_only:
+        plan = [step for step in plan if step[1] in dtypes_only]
+        sweep_shapes = {d: shapes for d, shapes in sweep_shapes.items() if d in dtypes_only}
     return plan, sweep_shapes
