@@ -215,7 +215,7 @@ SIXTEEN_BIT = ("float16", "bfloat16")
 # Implementations run only where their package imports (else the run says so once, in its notes),
 # and only in SIXTEEN_BIT.
 OPTIONAL = {"fa4": fa4_missing, "fa4_deterministic": fa4_missing}
-SIXTEEN_BIT_ONLY = ("fa4", "fa4_deterministic")
+SIXTEEN_BIT_ONLY = tuple(OPTIONAL)
 # Implementations run at the harness shape only.
 HARNESS_ONLY = ("reference_loops", "read_floor")
 
