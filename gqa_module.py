@@ -36,7 +36,8 @@ import torch.nn.functional as F   # the PyTorch path only; the bundle is for CUD
 # The bundle written by `python gqa_module.py --bundle OUT.py` sets this to {path: source text}, so
 # that it reads no files at run time; this module reads kernels/ from disk instead.
 _EMBEDDED_SOURCES = None
-_LIBRARY = "gqa_attn"
+_LIBRARY = "gqa_attn"              # the CUDA entry library's op namespace
+_CPU_LIBRARY = "gqa_attn_cpu"      # the CPU library's (the input rules for the PyTorch path)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -85,14 +86,28 @@ def _translation_unit(files, path, seen=None):
 
 # ------------------------------------------------------------------------------------------------
 # Finding the toolkit and the targets
+def _cpp_extension():
+    """torch.utils.cpp_extension, imported without the warning it logs on a machine without a CUDA
+    runtime ("No CUDA runtime is found"), which tells a user of the CPU path nothing they can act
+    on: the CPU library needs no CUDA, and the CUDA libraries find their toolkit themselves."""
+    import logging
+
+    if "torch.utils.cpp_extension" not in sys.modules:
+        logger = logging.getLogger("torch.utils.cpp_extension")
+        level = logger.level
+        logger.setLevel(logging.ERROR)
+        import torch.utils.cpp_extension
+        logger.setLevel(level)
+    return sys.modules["torch.utils.cpp_extension"]
+
+
 def _cuda_home():
     """A CUDA toolkit root that has both nvcc and the runtime headers.
 
     torch guesses CUDA_HOME from the nvcc on PATH; when that nvcc is a wrapper script outside the
     toolkit, the guess lacks the headers, so the standard install locations are tried too.
     """
-    from torch.utils import cpp_extension
-
+    cpp_extension = _cpp_extension()
     candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), cpp_extension.CUDA_HOME,
                   "/usr/local/cuda"]
     if torch.version.cuda:
@@ -111,8 +126,7 @@ def _use_cuda_home(home):
     """Point torch's build at `home`: through CUDA_HOME in the environment when torch reads it at
     import, else on cpp_extension itself (torch has no public setter once it is imported)."""
     os.environ["CUDA_HOME"] = home
-    from torch.utils import cpp_extension
-
+    cpp_extension = _cpp_extension()
     if cpp_extension.CUDA_HOME != home:
         cpp_extension.CUDA_HOME = home
 
@@ -188,22 +202,42 @@ _OPS = None   # torch.ops.gqa_attn once the entry library is loaded
 
 
 def _build_root():
-    from torch.utils import cpp_extension
-
-    return os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or _cpp_extension().get_default_build_root()
 
 
-def _library_in_process(sha):
-    """torch.ops.gqa_attn when this process already holds the library built from kernel sources
-    with this sha256 (loaded by this module, by a bundle exec'd beside it, or by another copy of
-    the bundle), else None.
+def _build_id(sha, cuda_home=None):
+    """The part of every library's name that says what built it: the kernel sources' sha256 (12 hex
+    digits), then 8 of a hash of what makes a build unshareable between environments on one build
+    root: torch (version, CUDA version, install location: its headers), the Python ABI, the C++
+    compiler, ninja, and the CUDA toolkit (`cuda_home`, for the CUDA libraries). So two virtual
+    environments side by side each keep their own build instead of rebuilding each other's."""
+    import shutil
+    import sysconfig
+
+    tools = [os.environ.get("CXX", "c++"), "ninja"]
+    facts = [torch.__version__, str(torch.version.cuda), os.path.dirname(os.path.abspath(torch.__file__)),
+             sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag, str(cuda_home)]
+    facts += [os.path.realpath(shutil.which(tool) or tool) for tool in tools]
+    return "%s_%s" % (sha[:12], hashlib.sha256("\n".join(facts).encode()).hexdigest()[:8])
+
+
+def _environment_words(cuda_home=None):
+    """The environment of _build_id in words, for the build message."""
+    return "torch %s, CUDA %s, Python %s%s" % (torch.__version__, torch.version.cuda or "none", sys.implementation.cache_tag,
+                                               ", toolkit %s" % cuda_home if cuda_home else "")
+
+
+def _library_in_process(sha, library=_LIBRARY, op="causal_attention"):
+    """torch.ops.<library> (default: gqa_attn) when this process already holds that library, whose
+    op `op` it registers, built from kernel sources with this sha256 (loaded by this module, by a
+    bundle exec'd beside it, or by another copy of the bundle), else None.
 
     torch lets one library register an op namespace per process: loading a second build (the
     same sources from another build directory, or other sources) would abort the interpreter.
     So a copy that finds the ops registered reuses them, and one whose sources differ from the
     loaded library's (recorded on the namespace object by the copy that loaded it) is refused."""
-    namespace = getattr(torch.ops, _LIBRARY)
-    if not hasattr(namespace, "causal_attention"):
+    namespace = getattr(torch.ops, library)
+    if not hasattr(namespace, op):
         return None
     loaded = getattr(namespace, "_gqa_source_sha256", None)
     if loaded != sha:
@@ -212,7 +246,7 @@ def _library_in_process(sha):
             "sha256 %s, and this copy's kernel sources have sha256 %s. A process can hold only one "
             "library for the op namespace %s, so this copy cannot load its own: run it in a fresh "
             "process, or use the copy whose sources match the loaded library."
-            % (_LIBRARY, loaded or "unknown (it was loaded without gqa_module)", sha, _LIBRARY))
+            % (library, loaded or "unknown (it was loaded without gqa_module)", sha, library))
     return namespace
 
 
@@ -220,7 +254,7 @@ def _library(name, what, cpp_source, cuda_source, cuda_flags):
     """load_inline's arguments for one library in its own directory under the build root, and
     what the build message calls it."""
     verbose = os.environ.get("GQA_BUILD_VERBOSE") == "1"
-    return {"what": what, "args": dict(
+    return {"what": what, "environment": _environment_words(_cuda_home()), "args": dict(
         name=name,
         cpp_sources=[cpp_source],
         cuda_sources=[cuda_source],
@@ -232,6 +266,24 @@ def _library(name, what, cpp_source, cuda_source, cuda_flags):
         is_python_module=False,
         no_implicit_headers=True,
     )}
+
+
+def _other_builds(build_dir):
+    """"; the build root also holds N builds of these sources for other environments, ..." when it
+    holds libraries of the same name but for the environment key (_build_id), else ""."""
+    import re
+
+    root, name = os.path.split(build_dir)
+    pattern = re.compile(r"(.*_[0-9a-f]{12})_([0-9a-f]{8})(.*)")
+    this = pattern.fullmatch(name)
+    if this is None or not os.path.isdir(root):
+        return ""
+    others = [m for m in map(pattern.fullmatch, os.listdir(root)) if m and m.group(2) != this.group(2)
+              and (m.group(1), m.group(3)) == (this.group(1), this.group(3)) and os.path.isdir(os.path.join(root, m.group(0)))]
+    if not others:
+        return ""
+    return ("; the build root also holds %d build%s of these sources for other environments, which stay as they are"
+            % (len(others), "" if len(others) == 1 else "s"))
 
 
 def _built_path(library):
@@ -248,8 +300,8 @@ def _build(library, done=lambda: False):
     builds of it across threads and processes. torch's own lock file inside it, which a killed
     build of older torch versions leaves behind, is removed under that lock."""
     import filelock
-    from torch.utils import cpp_extension
 
+    cpp_extension = _cpp_extension()
     args = library["args"]
     build_dir = args["build_directory"]
     os.makedirs(build_dir, exist_ok=True)
@@ -260,7 +312,8 @@ def _build(library, done=lambda: False):
         if os.path.exists(stale):
             os.remove(stale)
         if not os.path.exists(_built_path(library)):
-            print("gqa_module: compiling %s (first use; cached in %s)" % (library["what"], build_dir),
+            print("gqa_module: compiling %s (first use in this environment: %s; cached in %s)%s"
+                  % (library["what"], library["environment"], build_dir, _other_builds(build_dir)),
                   file=sys.stderr, flush=True)
         return cpp_extension.load_inline(**args)
 
@@ -280,19 +333,26 @@ def load_extension(first_call=None):
     files = _read_kernel_files()
     sha = kernel_source_sha256(files)
     if _library_in_process(sha) is None:
-        _use_cuda_home(_cuda_home())
-        targets = _targets()
+        if torch.version.cuda is None:
+            raise RuntimeError(
+                "gqa_module: this torch (%s) is a CPU-only build, so the CUDA library cannot be built here. CPU "
+                "tensors need no CUDA library (causal_gqa_attention, plan and backward_plan run them through "
+                "PyTorch); the CUDA kernels, plan_for and all_plans need a CUDA build of torch." % torch.__version__)
+        home = _cuda_home()
+        _use_cuda_home(home)
+        targets, build_id = _targets(), _build_id(sha, home)
         flags, sm90a, tag = targets
-        entry = _library("%s_%s_sm%s" % (_LIBRARY, sha[:12], tag), "the entry library",
+        entry = _library("%s_%s_sm%s" % (_LIBRARY, build_id, tag), "the entry library",
                          _translation_unit(files, "binding.cpp"), _translation_unit(files, "attention.cu"),
                          flags + (["-DGQA_SM90A"] if sm90a else []))
         if first_call is not None and not os.path.exists(_built_path(entry)):
-            _start_unit_builder(first_call, sha, targets, files)
+            _start_unit_builder(first_call, build_id, targets, files)
         _build(entry, done=lambda: _library_in_process(sha) is not None)
         namespace = getattr(torch.ops, _LIBRARY)
         if not hasattr(namespace, "_gqa_source_sha256"):
             namespace._gqa_source_sha256 = sha          # process-wide: every copy checks against it
             namespace._gqa_targets = (flags, sm90a, tag)   # the families build for the same targets
+            namespace._gqa_build_id = build_id             # and under names with the same build id
             namespace._gqa_module_loader = _LOADER_TYPE(_load_unit)   # alive as long as the process
             namespace._set_module_loader(ctypes.cast(namespace._gqa_module_loader, ctypes.c_void_p).value)
     _register_fake()
@@ -329,16 +389,16 @@ def _plain_library(name, what, source, flags):
     return {"what": what, "dir": build_dir, "path": os.path.join(build_dir, name + ".so"), "source": source,
             "compile": [os.path.join(home, "bin", "nvcc")] + _NVCC_FLAGS + flags + (["-Xptxas=-v"] if verbose else []),
             "link": [os.environ.get("CXX", "c++"), "-shared", "-L" + os.path.join(home, "lib64"), "-lcudart"],
-            "verbose": verbose}
+            "verbose": verbose, "environment": _environment_words(home), "note": _other_builds(build_dir)}
 
 
-def _unit_library(family, unit, dtype, width, sm90a, sha, targets, files):
+def _unit_library(family, unit, dtype, width, sm90a, build_id, targets, files):
     """The library of one kernel unit (see _plain_library): kernels/<family>/<family>.cu for one
     input dtype and head_dim width, for the targets of the entry library or for sm_90a alone."""
     flags, _, tag = targets
     if sm90a:
         flags, tag = ["-gencode=arch=compute_90a,code=sm_90a"], "90a"
-    return _plain_library("%s_%s_sm%s_%s" % (_LIBRARY, sha[:12], tag, unit.replace("/", "_")), "the %s kernels" % unit,
+    return _plain_library("%s_%s_sm%s_%s" % (_LIBRARY, build_id, tag, unit.replace("/", "_")), "the %s kernels" % unit,
                           _translation_unit(files, "%s/%s.cu" % (family, family)),
                           flags + ["-DGQA_DTYPE=%s" % dtype, "-DGQA_WIDTH=%s" % width])
 
@@ -350,7 +410,7 @@ def load_unit(unit, dtype, width, sm90a=False):
     ops = load_extension()
     _BUILDERS[:] = [builder for builder in _BUILDERS if builder.poll() is None]
     family = unit.split("/")[0]
-    library = _unit_library(family, unit, dtype, width, sm90a, ops._gqa_source_sha256, ops._gqa_targets,
+    library = _unit_library(family, unit, dtype, width, sm90a, ops._gqa_build_id, ops._gqa_targets,
                             _read_kernel_files())
     if not os.path.exists(library["path"]) and _start_builder({"library": library}).wait() != 0:
         raise RuntimeError("gqa_module: the %s kernels could not be built (nvcc's output is above)" % unit)
@@ -375,8 +435,8 @@ def build(library, where=""):
     with filelock.FileLock(library["dir"] + ".lock"):
         if os.path.exists(library["path"]):
             return library["path"]
-        print("gqa_module: compiling %s%s (first use; cached in %s)" % (library["what"], where, library["dir"]),
-              file=sys.stderr, flush=True)
+        print("gqa_module: compiling %s%s (first use in this environment: %s; cached in %s)%s"
+              % (library["what"], where, library["environment"], library["dir"], library["note"]), file=sys.stderr, flush=True)
         for name in os.listdir(library["dir"]):
             if ".partial" in name:
                 os.remove(os.path.join(library["dir"], name))   # left by a killed build
@@ -429,7 +489,7 @@ def _start_builder(job):
     return subprocess.Popen([sys.executable, "-c", _BUILDER, fh.name], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
 
 
-def _start_unit_builder(first_call, sha, targets, files):
+def _start_unit_builder(first_call, build_id, targets, files):
     """Start the builder on the unit a first call's (q, k, v) runs, beside the entry library's
     build, when they look like inputs the kernels take; their rows count as 16-byte aligned when
     all three are contiguous on 16 bytes (a wrong guess only builds a unit the call does not run)."""
@@ -444,18 +504,18 @@ def _start_unit_builder(first_call, sha, targets, files):
     B, T, Hq, D = q.shape
     shape = (B, T, Hq, k.shape[2], D, _DTYPE_CODES[q.dtype], aligned, torch.backends.cuda.matmul.allow_tf32,
              device.multi_processor_count, device.major)
-    _BUILDERS.append(_start_builder(_unit_job(shape, sha, targets, files)))
+    _BUILDERS.append(_start_builder(_unit_job(shape, build_id, targets, files)))
 
 
-def _unit_job(shape, sha, targets, files):
+def _unit_job(shape, build_id, targets, files):
     """The builder's job for the unit of `shape` (B, T, Hq, Hkv, D, dtype code, aligned,
     allow_tf32, SM count, compute capability major); see _BUILDER."""
     flags, sm90a, tag = targets
     return {"shape": [int(x) for x in shape],
-            "plan": _plain_library("%s_%s_sm%s_plan" % (_LIBRARY, sha[:12], tag), "the plan library",
+            "plan": _plain_library("%s_%s_sm%s_plan" % (_LIBRARY, build_id, tag), "the plan library",
                                    _translation_unit(files, "plan_library.cu"), flags + (["-DGQA_SM90A"] if sm90a else [])),
             "units": {"%s/%d" % (family, unit_sm90a): _unit_library(family, "{unit}", "{dtype}", "{width}", unit_sm90a,
-                                                                    sha, targets, files)
+                                                                    build_id, targets, files)
                       for family in ("rowwise", "short", "tiled", "wgmma", "x3") for unit_sm90a in (0, 1)}}
 
 
@@ -465,6 +525,26 @@ def build_all():
     missing = load_extension()._load_every_plan.default()
     if missing:
         raise RuntimeError("gqa_module: %d plans' kernels could not be built or loaded (errors above)" % missing)
+
+
+class _FirstOrderGradients(torch.autograd.Function):
+    """dq, dk and dv of the backward op, taken with create_graph=True: the same values, in a graph
+    whose backward raises. The backward kernels are not differentiable (FlashAttention's are not
+    either), and without this node autograd would take a second-order gradient through them as
+    zero, silently."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, out, grad_out, lse2):
+        return tuple(getattr(torch.ops, _LIBRARY).causal_attention_backward.default(q, k, v, out, grad_out, lse2))
+
+    @staticmethod
+    def backward(ctx, grad_dq, grad_dk, grad_dv):
+        raise RuntimeError(
+            "causal_gqa_attention: double backward is not supported: a gradient of the gradients that "
+            "torch.autograd.grad(..., create_graph=True) returned (a gradient penalty, a Hessian-vector "
+            "product) would need the backward kernels' own derivative, which the library does not have. "
+            "First-order gradients with create_graph=True are exact; for second order, run PyTorch's "
+            "scaled_dot_product_attention (its math backend) on these inputs instead.")
 
 
 def _register_fake():
@@ -495,6 +575,8 @@ def _register_fake():
 
     def backward(ctx, grad_out, grad_lse2):
         q, k, v, out, lse2 = ctx.saved_tensors
+        if torch.is_grad_enabled():   # create_graph=True: these gradients may be differentiated again
+            return _FirstOrderGradients.apply(q, k, v, out, grad_out, lse2)
         return tuple(namespace.causal_attention_backward.default(q, k, v, out, grad_out, lse2))
 
     for name in ("causal_attention", "empty_call"):
@@ -508,24 +590,74 @@ def _register_fake():
 
 # bundle: begin pytorch-path
 def _attention_torch(q, k, v):
-    """The same function through PyTorch, for tensors that are not on a CUDA device."""
+    """The same function through PyTorch, for tensors that are not on a CUDA device. A call that
+    autograd records takes SDPA's math backend, whose backward is differentiable again (the CPU
+    flash backend's is not), so double backward and gradgradcheck work on this path."""
     if q.numel() == 0:
         return q.new_empty(q.shape)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         is_causal=True, enable_gqa=True)
+    from torch.nn import attention
+
+    args = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        with attention.sdpa_kernel(attention.SDPBackend.MATH):
+            out = F.scaled_dot_product_attention(*args, is_causal=True, enable_gqa=True)
+    else:
+        out = F.scaled_dot_product_attention(*args, is_causal=True, enable_gqa=True)
     return out.transpose(1, 2).contiguous()
 
 
+_CPU_OPS = None   # torch.ops.gqa_attn_cpu once the CPU library is loaded
+
+
+def load_cpu_library():
+    """Build (first time in this environment) and load the CPU library: the input rules of
+    kernels/checks.h as the op check_inputs, compiled without CUDA (kernels/cpu_checks.cpp), so the
+    PyTorch path runs on a CPU-only torch too; returns torch.ops.gqa_attn_cpu. Once per process,
+    as load_extension."""
+    global _CPU_OPS
+    if _CPU_OPS is None:
+        files = _read_kernel_files()
+        sha = kernel_source_sha256(files)
+        if _library_in_process(sha, _CPU_LIBRARY, "check_inputs") is None:
+            name = "%s_%s" % (_CPU_LIBRARY, _build_id(sha))
+            verbose = os.environ.get("GQA_BUILD_VERBOSE") == "1"
+            library = {"what": "the CPU library", "environment": _environment_words(), "args": dict(
+                name=name, cpp_sources=[_translation_unit(files, "cpu_checks.cpp")], extra_cflags=["-O2"],
+                build_directory=os.path.join(_build_root(), name), verbose=verbose, with_cuda=False,
+                is_python_module=False, no_implicit_headers=True)}
+            _build(library, done=lambda: _library_in_process(sha, _CPU_LIBRARY, "check_inputs") is not None)
+            namespace = getattr(torch.ops, _CPU_LIBRARY)
+            if not hasattr(namespace, "_gqa_source_sha256"):
+                namespace._gqa_source_sha256 = sha
+        _CPU_OPS = getattr(torch.ops, _CPU_LIBRARY)
+    return _CPU_OPS
+
+
 def _not_on_cuda(q, k, v, run=True):
-    """Inputs whose q is not a CUDA tensor: checked by the library's own rules (the ones CUDA inputs
-    meet), then run through PyTorch; run=False: only checked, and the plan's name returned."""
-    load_extension().check_inputs.default(q, k, v)
+    """Inputs that the CUDA library does not run (q not a CUDA tensor, or k or v not a tensor):
+    checked by the library's own rules (the ones CUDA inputs meet; the CPU also takes float64),
+    then run through PyTorch; run=False: only checked, and the plan's name returned."""
+    _require_tensors(q, k, v)
+    load_cpu_library().check_inputs.default(q, k, v)
     return _attention_torch(q, k, v) if run else "pytorch/" + q.device.type
 # bundle: end pytorch-path
 
 
 # ------------------------------------------------------------------------------------------------
 # The public entry points
+def _require_tensors(q, k, v):
+    """A TypeError naming the first of q, k and v that is not a torch.Tensor."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError("causal_gqa_attention: %s must be a torch.Tensor, got %s" % (name, type(x).__name__))
+
+
+def _on_cuda(q, k, v):
+    """Whether a call goes to the CUDA library: q a CUDA tensor, k and v tensors (on any device:
+    the library's checks name a mismatch)."""
+    return isinstance(q, torch.Tensor) and q.is_cuda and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+
+
 _FORWARD = None   # torch.ops.gqa_attn.causal_attention.default, bound on first CUDA call
 
 
@@ -545,7 +677,7 @@ if "torch._dynamo" in sys.modules:
 
 def causal_gqa_attention(q, k, v):
     """Causal GQA: q [B, T, Hq, D], k/v [B, T, Hkv, D] -> [B, T, Hq, D] in q's dtype."""
-    if isinstance(q, torch.Tensor) and q.is_cuda:
+    if isinstance(q, torch.Tensor) and q.is_cuda and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor):
         if _OPS is None:
             load_extension(first_call=(q, k, v))
         op = _FORWARD if _FORWARD is not None else _forward_op()
@@ -567,7 +699,7 @@ def plan(q, k, v):
     """The kernel plan a call with these inputs takes, without running it: "family/dtype/shape",
     for example "x3/fp32/d128" or "rowwise/fp32/8x1-planned". The launch reads the same decision.
     CPU tensors take PyTorch: "pytorch/cpu"."""
-    if isinstance(q, torch.Tensor) and q.is_cuda:
+    if _on_cuda(q, k, v):
         return load_extension().plan.default(q, k, v)
     return _not_on_cuda(q, k, v, run=False)
 
@@ -581,8 +713,11 @@ def backward_plan(q, k, v):
     GQA_FUSED_BACKWARD_MIN_T at either),
     "bwdx3/fp32/d<width>" (fp32 at head_dim 64 and 128 where bwdwg runs: three fp16 wgmma products
     per product), "bwdmma/<dtype>/d<width>" (mma.sync tensor cores: fp16 and bf16 at head_dim 64
-    and 128) or "backward/<dtype>" (row-wise, any shape)."""
-    return load_extension().backward_plan.default(q, k, v)
+    and 128) or "backward/<dtype>" (row-wise, any shape). CPU tensors take PyTorch's autograd:
+    "pytorch/cpu"."""
+    if _on_cuda(q, k, v):
+        return load_extension().backward_plan.default(q, k, v)
+    return _not_on_cuda(q, k, v, run=False)
 
 
 def plan_for(B, T, Hq, Hkv, D, dtype=torch.float32, aligned=True, allow_tf32=False, sm_count=132, cc_major=9):
@@ -625,8 +760,7 @@ _BUNDLE_REGIONS = {
     "torch-functional": "",
     "pytorch-path": '''def _not_on_cuda(q, k, v, run=True):
     """This single file runs CUDA tensors only; anything else is refused."""
-    if not isinstance(q, torch.Tensor):
-        raise TypeError("causal_gqa_attention: q must be a torch.Tensor, got %s" % type(q).__name__)
+    _require_tensors(q, k, v)
     raise RuntimeError(
         "causal_gqa_attention: q is on %s, and this single-file build of gqa_module runs CUDA tensors "
         "only. For tensors on other devices use gqa_module.py itself (gqa_module.causal_gqa_attention "
@@ -711,8 +845,13 @@ def _main():
     spec.loader.exec_module(reference)
 
     started = time.perf_counter()
-    load_extension()
-    print("extension ready in %.1f s" % (time.perf_counter() - started))
+    if torch.version.cuda is None:
+        load_cpu_library()
+        print("CPU library ready in %.1f s (torch %s is a CPU-only build: the CUDA library is not built)"
+              % (time.perf_counter() - started, torch.__version__))
+    else:
+        load_extension()
+        print("extension ready in %.1f s" % (time.perf_counter() - started))
 
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"

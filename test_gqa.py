@@ -26,6 +26,8 @@ import reference
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
+needs_cuda_torch = pytest.mark.skipif(torch.version.cuda is None, reason="needs a CUDA build of torch to build the CUDA "
+                                      "library (this torch, %s, is CPU-only)" % torch.__version__)
 
 
 def rel_err(out, exact):
@@ -95,19 +97,20 @@ def bad_inputs(device):
         ("heads", t(2, 8, 4, 16), t(2, 8, 3, 16), t(2, 8, 3, 16), ["multiple of", "Hkv"]),
         ("no kv heads", t(2, 8, 4, 16), t(2, 8, 0, 16), t(2, 8, 0, 16), ["at least one kv head"]),
         ("mixed dtype", t(2, 8, 4, 16), t(2, 8, 2, 16, dtype=torch.float16), t(2, 8, 2, 16), ["share one dtype"]),
-        ("float64", t(2, 8, 4, 16, dtype=torch.float64), t(2, 8, 2, 16, dtype=torch.float64),
-         t(2, 8, 2, 16, dtype=torch.float64), ["unsupported dtype"]),
         ("int", t(2, 8, 4, 16).int(), t(2, 8, 2, 16).int(), t(2, 8, 2, 16).int(), ["unsupported dtype"]),
         ("head_dim too big", t(1, 4, 2, 257), t(1, 4, 1, 257), t(1, 4, 1, 257), ["head_dim", "1..256"]),
         ("head_dim zero", t(1, 4, 2, 0), t(1, 4, 1, 0), t(1, 4, 1, 0), ["head_dim", "1..256"]),
     ]
     if device != "cpu":
         cases.append(("devices", t(2, 8, 4, 16), t(2, 8, 2, 16, dev="cpu"), t(2, 8, 2, 16), ["same device"]))
+        cases.append(("float64", t(2, 8, 4, 16, dtype=torch.float64), t(2, 8, 2, 16, dtype=torch.float64),
+                      t(2, 8, 2, 16, dtype=torch.float64), ["unsupported dtype", "float64 runs on the CPU only"]))
     return cases
 
 
 # ------------------------------------------------------------------------------------------------
 # Any machine
+@needs_cuda_torch
 def test_extension_builds_and_registers_ops():
     """The real load_inline build of kernels/ compiles and loads; no GPU is needed for that. Every op
     has its schema and its CUDA kernel registered, and the plan dispatch runs on the CPU."""
@@ -120,7 +123,6 @@ def test_extension_builds_and_registers_ops():
         "plan_for": "gqa_attn::plan_for(int B, int T, int Hq, int Hkv, int D, ScalarType dtype, bool aligned, "
                     "bool allow_tf32, int sm_count, int cc_major) -> str",
         "all_plans": "gqa_attn::all_plans() -> str[]",
-        "check_inputs": "gqa_attn::check_inputs(Tensor q, Tensor k, Tensor v) -> ()",
         "_set_module_loader": "gqa_attn::_set_module_loader(int address) -> ()",
         "_load_every_plan": "gqa_attn::_load_every_plan() -> int",
     }
@@ -146,12 +148,14 @@ def test_extension_builds_and_registers_ops():
     assert gqa_module.load_extension() is ops   # cached: a second call does not rebuild
 
 
+@needs_cuda_torch
 def test_every_kernel_unit_builds_and_loads():
     """Every plan's kernels and every backward tensor-core unit (built one unit at a time by first
     calls) compile, load and export their entry point: the count without a launcher is 0."""
     assert gqa_module.load_extension()._load_every_plan.default() == 0
 
 
+@needs_cuda_torch
 def test_first_calls_from_two_threads_compile_once(tmp_path):
     """A fresh process with an empty extension cache: two threads call first, one build happens."""
     code = (
@@ -263,8 +267,8 @@ def forward_trainable(q, k, v):   # the rows' log-sum-exp left as "not kept" (Na
 def backward(q, k, v, out, grad_out, lse2):
     assert lse2.shape == q.shape[:3] and lse2.dtype == torch.float32
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    with torch.enable_grad():
-        return torch.autograd.grad(g._attention_torch(*leaves), leaves, grad_out)
+    with torch.enable_grad():   # contiguous, as the CUDA op's (and its fake's) gradients are
+        return tuple(x.contiguous() for x in torch.autograd.grad(g._attention_torch(*leaves), leaves, grad_out))
 
 lib.impl("causal_attention", forward, "CPU")
 lib.impl("causal_attention_trainable", forward_trainable, "CPU")
@@ -288,13 +292,24 @@ ref_leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
 (ops.causal_attention(*ref_leaves) * 2).backward(grad)
 print("compile equal", torch.allclose(o, ops.causal_attention(q, k, v).detach() * 2),
       all(torch.allclose(a.grad, b.grad) for a, b in zip(leaves, ref_leaves)))
+leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+first = torch.autograd.grad((ops.causal_attention(*leaves) * grad).sum(), leaves, create_graph=True)
+print("create_graph equal", all(torch.equal(a, b.grad) for a, b in zip(first, (q, k, v))),
+      all(g.requires_grad for g in first))
+try:
+    sum(g.pow(2).sum() for g in first).backward()
+    print("double backward ran")
+except RuntimeError as error:
+    print("double backward refused", "double backward is not supported" in str(error))
 """
 
 
+@needs_cuda_torch
 def test_autograd_wiring_with_cpu_stand_ins(tmp_path):
     """Inputs that require grad get a node whose backward runs causal_attention_backward; no_grad
     gets none; opcheck (autograd registration, fake, AOT dispatch) and torch.compile(fullgraph) of
-    a forward and backward agree with eager. Inductor gets an empty cache: its cached graphs are
+    a forward and backward agree with eager; gradients taken with create_graph=True have the same
+    values, and a second-order gradient through them raises instead of returning a number. Inductor gets an empty cache: its cached graphs are
     keyed by op name, not schema, so graphs of an earlier schema would be reused."""
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     run = subprocess.run([sys.executable, "-c", AUTOGRAD_WIRING], cwd=HERE, capture_output=True, text=True,
@@ -302,7 +317,8 @@ def test_autograd_wiring_with_cpu_stand_ins(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.splitlines()
     assert lines == ["grad_fn GeneratedBackwardFor_gqa_attn_causal_attention_trainable_defaultBackward",
-                     "grads equal True", "no_grad grad_fn None", "opcheck ok", "compile equal True True"], lines
+                     "grads equal True", "no_grad grad_fn None", "opcheck ok", "compile equal True True",
+                     "create_graph equal True True", "double backward refused True"], lines
 
 
 def test_reference_gradients_take_nothing_from_future_keys():
@@ -364,6 +380,88 @@ def test_cpu_empty_inputs():
         q, k, v = make_qkv(B, T, 4, 2, 8)
         out = gqa_module.causal_gqa_attention(q, k, v)
         assert out.shape == (B, T, 4, 8)
+
+
+def test_cpu_library_builds_without_cuda():
+    """The PyTorch path's checks come from the CPU library (kernels/cpu_checks.cpp, built with no
+    CUDA headers, its own op namespace), whose rules are checks.h's, the CUDA entry library's too."""
+    ops = gqa_module.load_cpu_library()
+    assert str(ops.check_inputs.default._schema) == "gqa_attn_cpu::check_inputs(Tensor q, Tensor k, Tensor v) -> ()"
+    files = gqa_module._read_kernel_files()
+    unit = gqa_module._translation_unit(files, "cpu_checks.cpp")
+    assert "gqa_check_inputs(" in unit and not re.search(r"#include <(c10/cuda|cuda|ATen/cuda)", unit)
+    assert '#include "checks.h"' in files["binding.cpp"].decode()
+    assert gqa_module.load_cpu_library() is ops
+
+
+def test_cpu_float64_runs_and_gradcheck_passes():
+    """float64 on the CPU: the float64 reference to rounding, and torch.autograd.gradcheck (and
+    gradgradcheck: PyTorch's autograd runs the CPU path) on a small ragged shape."""
+    q, k, v = make_qkv(2, 7, 4, 2, 5, dtype=torch.float64)
+    out = gqa_module.causal_gqa_attention(q, k, v)
+    assert out.dtype == torch.float64 and torch.allclose(out, reference.causal_gqa_reference(q, k, v), atol=1e-12)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    assert torch.autograd.gradcheck(gqa_module.causal_gqa_attention, leaves)
+    assert torch.autograd.gradgradcheck(gqa_module.causal_gqa_attention, leaves)
+
+
+def test_cpu_non_tensor_inputs_raise_type_error():
+    """None, a list or a NumPy array for q, k or v: a TypeError naming the argument, from every
+    entry point, and no array printed."""
+    q, k, v = make_qkv(1, 4, 2, 1, 8)
+    for entry in (gqa_module.causal_gqa_attention, gqa_module.plan, gqa_module.backward_plan):
+        for which, bad in (("q", None), ("k", [[1.0, 2.0]] * 50), ("v", k.numpy())):
+            args = dict(dict(q=q, k=k, v=v), **{which: bad})
+            with pytest.raises(TypeError) as info:
+                entry(args["q"], args["k"], args["v"])
+            message = str(info.value)
+            assert message.startswith("causal_gqa_attention: %s must be a torch.Tensor, got " % which), message
+            assert len(message) < 120, message
+
+
+def test_cpu_plans_name_pytorch():
+    q, k, v = make_qkv(1, 4, 2, 1, 8)
+    assert gqa_module.plan(q, k, v) == gqa_module.backward_plan(q, k, v) == "pytorch/cpu"
+    with pytest.raises(ValueError, match="multiple of"):
+        gqa_module.backward_plan(q, torch.randn(1, 4, 3, 8), torch.randn(1, 4, 3, 8))
+
+
+def test_cpu_call_prints_no_torch_warning():
+    """A CPU call in a fresh process (the CPU library built already, by the tests above) writes
+    nothing to stderr: no "No CUDA runtime is found" from torch's extension builder."""
+    gqa_module.load_cpu_library()
+    code = ("import torch, gqa_module\n"
+            "q, k, v = (torch.randn(1, 5, h, 8) for h in (2, 1, 1))\n"
+            "print(gqa_module.causal_gqa_attention(q, k, v).shape, gqa_module.backward_plan(q, k, v))\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["torch.Size([1,", "5,", "2,", "8])", "pytorch/cpu"], run.stdout
+    noise = [line for line in run.stderr.splitlines() if "numpy" not in line.lower()]
+    assert not noise, run.stderr
+
+
+def test_build_id_separates_environments(monkeypatch, tmp_path):
+    """Library names carry the sources' sha and a key of the environment: another torch version,
+    install location, Python ABI, compiler, ninja or toolkit gives another name; the same gives the
+    same. A build for this environment names the builds of the same sources for others beside it."""
+    sha = gqa_module.kernel_source_sha256()
+    base = gqa_module._build_id(sha, "/usr/local/cuda")
+    assert re.fullmatch(sha[:12] + r"_[0-9a-f]{8}", base) and gqa_module._build_id(sha, "/usr/local/cuda") == base
+    assert gqa_module._build_id(sha, "/opt/cuda-12.8") != base
+    monkeypatch.setenv("CXX", "clang++-99")
+    assert gqa_module._build_id(sha, "/usr/local/cuda") != base
+    monkeypatch.delenv("CXX")
+    monkeypatch.setattr(torch, "__version__", "0.0.1")
+    assert gqa_module._build_id(sha, "/usr/local/cuda") != base
+    monkeypatch.undo()
+    for name in ("gqa_attn_%s_sm90a" % base, "gqa_attn_%s_11111111_sm90a" % sha[:12],
+                 "gqa_attn_%s_22222222_sm90a" % sha[:12], "gqa_attn_%s_33333333_sm80" % sha[:12]):
+        (tmp_path / name).mkdir()
+    note = gqa_module._other_builds(str(tmp_path / ("gqa_attn_%s_sm90a" % base)))
+    assert "holds 2 builds of these sources for other environments" in note, note
+    assert gqa_module._other_builds(str(tmp_path / ("gqa_attn_%s_sm80" % base))).count("1 build ") == 1
+    assert gqa_module._other_builds(str(tmp_path / "unrelated")) == ""
 
 
 def load_bench_script(name):
@@ -640,7 +738,7 @@ def test_gpu_repeated_calls_are_bitwise_equal():
 
 
 @needs_gpu
-@pytest.mark.parametrize("case", range(N_BAD_CPU + 1))
+@pytest.mark.parametrize("case", range(N_BAD_CPU + 2))
 def test_gpu_bad_inputs_raise_and_module_keeps_working(case):
     assert_rejected("cuda", case)
     good = make_qkv(1, 33, 4, 2, 16, device="cuda")
@@ -876,6 +974,7 @@ PLAN_CASES = {
 }
 
 
+@needs_cuda_torch
 def test_plan_cases_cover_every_plan():
     """PLAN_CASES names every plan of this build, and plan_for (the dispatch, run on the CPU for an
     H200) sends each case's shape to its plan. A new plan without a case fails here."""
@@ -888,6 +987,7 @@ def test_plan_cases_cover_every_plan():
         assert gqa_module.plan_for(B, T, Hq, Hkv, D, DTYPES[name.split("/")[1]], not offset) == name
 
 
+@needs_cuda_torch
 def test_readme_counts_the_plans():
     """README.md's Plans section gives the number of plans an sm_90a build lists."""
     plans = gqa_module.all_plans()
@@ -1156,6 +1256,7 @@ def test_ws_width_consumers_is_read_from_the_source():
     assert [ws_width_consumers(w) for w in (64, 128, 256)] == [3, 2, 2]
 
 
+@needs_cuda_torch
 @pytest.mark.parametrize("sms", [132, 114, 20])
 def test_ws_plan_rows_follow_the_rule(sms):
     """plan_for (the C++ dispatch, on the CPU) names the consumer count that ws_plan's model of
@@ -1464,6 +1565,7 @@ def exec_bundle(path):
     return namespace
 
 
+@needs_cuda_torch
 def test_bundle_reads_no_files_and_refuses_cpu_tensors(bundle_path, tmp_path, monkeypatch):
     """The bundle carries kernels/ byte for byte and runs CUDA tensors only: a CPU tensor gets an
     error that points to gqa_module, which itself still runs it through PyTorch."""
@@ -1522,6 +1624,7 @@ def test_bundle_embeds_awkward_sources_byte_for_byte(monkeypatch):
     assert ns["_EMBEDDED_SOURCES"]["gqa_params.h"].encode() == files["gqa_params.h"]
 
 
+@needs_cuda_torch
 def test_bundle_run_as_script_loads_the_library(bundle_path, tmp_path):
     """A harness may precompile by running the file: that builds (or finds) and loads the library."""
     run = subprocess.run([sys.executable, str(bundle_path)], cwd=tmp_path, capture_output=True, text=True,
@@ -1638,6 +1741,7 @@ def run_two_loads(bundle_path, tmp_path, device, order):
     return summary
 
 
+@needs_cuda_torch
 @pytest.mark.parametrize("order", ["bundle-first", "module-first"])
 def test_two_loads_in_one_process(bundle_path, tmp_path, order):
     """Loading is idempotent in one process: one library, no abort, other sources refused. On CPU
@@ -1666,7 +1770,10 @@ def test_argparse_command_line(args, code, words, tmp_path):
 def test_main_without_arguments_runs_the_check():
     run = subprocess.run([sys.executable, "gqa_module.py"], cwd=HERE, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "extension ready" in run.stdout
+    if torch.version.cuda is None:
+        assert "CPU library ready" in run.stdout and "CPU-only build" in run.stdout
+    else:
+        assert "extension ready" in run.stdout
     if torch.cuda.is_available():
         assert "faster" in run.stdout
     else:
@@ -1680,6 +1787,7 @@ def first_call_processes(n, cache_dir, extra_env=None):
                              stderr=subprocess.PIPE, text=True) for _ in range(n)]
 
 
+@needs_cuda_torch
 def test_four_processes_first_call_together(tmp_path):
     procs = first_call_processes(4, tmp_path)
     outputs = [p.communicate(timeout=900) for p in procs]
@@ -1688,6 +1796,7 @@ def test_four_processes_first_call_together(tmp_path):
     assert sum(err.count("compiling the entry library") for _, err in outputs) == 1
 
 
+@needs_cuda_torch
 def test_killed_build_does_not_block_the_next(tmp_path):
     import signal
     import time
@@ -1729,14 +1838,16 @@ def test_gpu_first_call_builds_the_entry_and_its_unit_at_once(tmp_path, shape, d
         assert "compiling the %s kernels (first use" % unit not in run.stderr
 
 
+@needs_cuda_torch
 def test_builder_builds_the_unit_load_unit_then_loads(tmp_path):
     """The builder, given a first call's shape, builds the plan library and the unit its plan names,
     under the names load_unit uses (no second build); for the harness shape, the plan library only."""
     code = ("import gqa_module as g\n"
             "g._use_cuda_home(g._cuda_home())\n"
             "sha, targets, files = g.kernel_source_sha256(), g._targets(), g._read_kernel_files()\n"
+            "build_id = g._build_id(sha, g._cuda_home())\n"
             "for shape in ((2, 80, 8, 2, 32, 0, 1, 0, 132, 9), (2, 100, 8, 2, 64, 1, 1, 0, 132, 9)):\n"
-            "    assert g._start_builder(g._unit_job(shape, sha, targets, files)).wait() == 0\n"
+            "    assert g._start_builder(g._unit_job(shape, build_id, targets, files)).wait() == 0\n"
             "print('unit', bool(g.load_unit('rowwise/fp16', 1, 0, False)))\n")
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
     run = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
@@ -1847,6 +1958,63 @@ def channel_rel_errs(got, exact):
     """Norm-relative error of every head-dim channel (the last dim), as a 1-D tensor."""
     dims = tuple(range(exact.dim() - 1))
     return (got.double() - exact).pow(2).sum(dim=dims).sqrt() / exact.pow(2).sum(dim=dims).sqrt().clamp_min(1e-300)
+
+
+# One case per backward plan of an sm_90a build on an H200: plan -> (B, T, Hq, Hkv, D, dtype, the
+# GQA_FUSED_BACKWARD_MIN_T that takes the fused kernel at this T, or None).
+BACKWARD_PLAN_CASES = {
+    "backward/fp32": (1, 100, 4, 2, 40, torch.float32, None),
+    "backward/fp16": (1, 140, 4, 2, 40, torch.float16, None),
+    "backward/bf16": (1, 140, 4, 2, 40, torch.bfloat16, None),
+    "bwdx3/fp32/d64": (1, 140, 4, 2, 64, torch.float32, None),
+    "bwdx3/fp32/d128": (1, 140, 4, 2, 128, torch.float32, None),
+    **{"bwdmma/%s/d%d" % (name, D): (1, 100, 4, 2, D, dtype, None)
+       for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)) for D in (64, 128)},
+    **{"bwdwg/%s/d%d" % (name, D): (1, 140, 4, 2, D, dtype, None)
+       for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)) for D in (64, 128, 256)},
+    **{"bwdwg/%s/d%d/fused" % (name, D): (2, 300, 8, 2, D, dtype, 129)
+       for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)) for D in (64, 128)},
+}
+
+
+def backward_plan_inputs(name, monkeypatch):
+    """q, k, v (requiring grad) and a grad_out for backward plan `name` (BACKWARD_PLAN_CASES), the
+    plan asserted; skips where this GPU or build has no such plan."""
+    B, T, Hq, Hkv, D, dtype, fused_min_t = BACKWARD_PLAN_CASES[name]
+    if name.startswith(("bwdwg/", "bwdx3/")) and tensor_core_backward(T, D) != "bwdwg":
+        pytest.skip("%s is the wgmma backward's: an sm_90a build on an H100 or H200" % name)
+    if fused_min_t is not None:
+        monkeypatch.setenv("GQA_FUSED_BACKWARD_MIN_T", str(fused_min_t))
+    q, k, v = (t.requires_grad_(True) for t in make_qkv(B, T, Hq, Hkv, D, device="cuda", dtype=dtype))
+    assert gqa_module.backward_plan(q, k, v) == name
+    return q, k, v, torch.randn_like(q)
+
+
+def test_backward_plan_cases_cover_every_backward_plan():
+    """BACKWARD_PLAN_CASES names the 19 backward plans of an sm_90a build: the row-wise kernels in
+    three dtypes, the x3 unit at 64 and 128, mma.sync and wgmma in 16 bits, and the fused kernel."""
+    assert len(BACKWARD_PLAN_CASES) == 19
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", list(BACKWARD_PLAN_CASES))
+def test_gpu_double_backward_raises_on_every_backward_plan(name, monkeypatch):
+    """torch.autograd.grad(..., create_graph=True) gives the plain backward's gradients, bitwise;
+    a loss built on them (a gradient penalty) raises when differentiated, naming what is not
+    supported, instead of returning a number."""
+    q, k, v, grad_out = backward_plan_inputs(name, monkeypatch)
+    plain = project_grads(q, k, v, grad_out)
+    first = torch.autograd.grad(gqa_module.causal_gqa_attention(q, k, v), (q, k, v), grad_out, create_graph=True)
+    assert all(g.requires_grad for g in first)
+    assert all(torch.equal(a, b) for a, b in zip(first, plain))
+    penalty = sum(g.float().pow(2).sum() for g in first)
+    with pytest.raises(RuntimeError, match="double backward is not supported"):
+        penalty.backward()
+    for target in range(3):   # d(sum dq)/d(q, k or v): each way into the backward raises
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        (dq,) = torch.autograd.grad(gqa_module.causal_gqa_attention(*leaves), leaves[:1], grad_out, create_graph=True)
+        with pytest.raises(RuntimeError, match="double backward is not supported"):
+            torch.autograd.grad(dq.float().sum(), leaves[target])
 
 
 BACKWARD_GRID = [(B, T, Hq, Hkv, D) for B, T in ((2, 1), (1, 63), (2, 65), (1, 1000))
@@ -2341,6 +2509,7 @@ def test_sanitizer_gradient_check_catches_wrong_gradients():
     assert not sanitize.check_grads([exact[0] * 1.01] + exact[1:], exact, "fp32", False)[0]
 
 
+@needs_cuda_torch
 def test_sanitizer_cases_take_their_plans_and_cover_every_plan():
     """Each case of bench/sanitize.py takes its declared plan on an H200 (plan_for's defaults), the
     declared plans are exactly all_plans(), the backward runs in every dtype, and every plan also

@@ -30,7 +30,7 @@ def main():
     builders = []
     for unit, dtype, width, sm90a in sorted(units):
         library = gqa_module._unit_library(unit.split("/")[0], unit, dtype, width, sm90a,
-                                           ops._gqa_source_sha256, ops._gqa_targets, files)
+                                           ops._gqa_build_id, ops._gqa_targets, files)
         if not os.path.exists(library["path"]):
             builders.append((unit, gqa_module._start_builder({"library": library})))
     failed = [unit for unit, builder in builders if builder.wait() != 0]
