@@ -10,9 +10,10 @@
 // Two kernels, one warp per row, each lane holding head-dim elements lane, lane + 32, ...; every
 // sum runs in a fixed order, so results are bitwise equal across runs (no atomics):
 //   1. query rows: delta_i, then one pass over the keys with an online softmax that also carries
-//      dQ (rescaled when the running maximum grows, divided by the row's sum at the end); writes
-//      dQ and the row's log-sum-exp and delta for kernel 2. No forward statistics are needed, so
-//      the forward keeps nothing when no backward follows.
+//      dQ (rescaled when the running maximum grows, divided by the row's sum at the end; two more
+//      passes where delta_i is not finite, below); writes dQ and the row's log-sum-exp and delta
+//      for kernel 2. No forward statistics are needed, so the forward keeps nothing when no
+//      backward follows.
 //   2. key rows (batch, time, kv head): every query row at or after the key, in the G heads of the
 //      group, recomputes p_ij from the stored log-sum-exp and adds into dK and dV.
 // Plain FMA, no tensor cores: fp32 inputs, and 16-bit ones at head dims without a tensor-core unit
