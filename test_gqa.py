@@ -1987,15 +1987,11 @@ def backward_plan_inputs(name, monkeypatch):
         pytest.skip("%s is the wgmma backward's: an sm_90a build on an H100 or H200" % name)
     if fused_min_t is not None:
         monkeypatch.setenv("GQA_FUSED_BACKWARD_MIN_T", str(fused_min_t))
+    else:
+        monkeypatch.delenv("GQA_FUSED_BACKWARD_MIN_T", raising=False)
     q, k, v = (t.requires_grad_(True) for t in make_qkv(B, T, Hq, Hkv, D, device="cuda", dtype=dtype))
     assert gqa_module.backward_plan(q, k, v) == name
     return q, k, v, torch.randn_like(q)
-
-
-def test_backward_plan_cases_cover_every_backward_plan():
-    """BACKWARD_PLAN_CASES names the 19 backward plans of an sm_90a build: the row-wise kernels in
-    three dtypes, the x3 unit at 64 and 128, mma.sync and wgmma in 16 bits, and the fused kernel."""
-    assert len(BACKWARD_PLAN_CASES) == 19
 
 
 @needs_gpu
@@ -2017,6 +2013,151 @@ def test_gpu_double_backward_raises_on_every_backward_plan(name, monkeypatch):
         (dq,) = torch.autograd.grad(gqa_module.causal_gqa_attention(*leaves), leaves[:1], grad_out, create_graph=True)
         with pytest.raises(RuntimeError, match="double backward is not supported"):
             torch.autograd.grad(dq.float().sum(), leaves[target])
+# ------------------------------------------------------------------------------------------------
+# Backward with Inf and NaN: every plan hands such a call to the row-wise kernels
+# (kernels/backward/backward.cu), whose header states the rule: dS = P (dP - delta) with autograd's
+# delta = rowsum(P dP) where dO . o is not finite, so NaN, +Inf and -Inf land as in float64 autograd.
+def rowwise_backward_emulation(q, k, v, o, grad_out):
+    """backward.cu's query_row and key_row on the CPU in float32, vectorised over rows, with each
+    Inf- or NaN-making step as the kernels take it (sums in another order: a sum's kind, NaN, +-Inf
+    or finite, is the same in any order). Returns dq, dk, dv."""
+    q, k, v, o, do = (t.float() for t in (q, k, v, o, grad_out))
+    B, T, Hq, D = q.shape
+    G = Hq // k.shape[2]
+    scale, scale_log2 = 1 / math.sqrt(D), 1.4426950408889634 / math.sqrt(D)
+    kx, vx, rows = k.repeat_interleave(G, 2), v.repeat_interleave(G, 2), torch.arange(T).view(1, T, 1)
+
+    def key(j):   # every query row's score (log2 units) and dp against key j, its k row, and who attends
+        kj = kx[:, j:j + 1]
+        return (q * kj).sum(-1) * scale_log2, (do * vx[:, j:j + 1]).sum(-1), kj, rows >= j
+
+    delta, m, l, acc = (do * o).sum(-1), torch.full(q.shape[:3], -math.inf), torch.zeros(q.shape[:3]), torch.zeros(q.shape)
+    for j in range(T):   # kernel 1: the online softmax, dQ rescaled as the maximum grows
+        s2, dp, kj, on = key(j)
+        grow, r = on & (s2 > m), torch.exp2(m - s2)
+        l, acc, m = torch.where(grow, l * r, l), torch.where(grow[..., None], acc * r[..., None], acc), torch.where(grow, s2, m)
+        w = torch.where(on & (s2 != -math.inf), torch.exp2(s2 - m), 0.0)
+        l = l + w
+        acc = torch.where(on[..., None], acc + (w * (dp - delta))[..., None] * kj, acc)
+    dq, lse2, redo = acc * (scale / l)[..., None], m + torch.log2(l), ~torch.isfinite(delta)
+    delta2, acc = torch.zeros_like(delta), torch.zeros(q.shape)
+    for j in range(T):   # rows whose dO . o is not finite: delta = sum_j p_j dp_j, then dQ again
+        s2, dp, _, on = key(j)
+        delta2 = torch.where(on, delta2 + torch.exp2(s2 - lse2) * dp, delta2)
+    for j in range(T):
+        s2, dp, kj, on = key(j)
+        acc = torch.where(on[..., None], acc + (torch.exp2(s2 - lse2) * (dp - delta2))[..., None] * kj, acc)
+    dq, delta = torch.where(redo[..., None], acc * scale, dq), torch.where(redo, delta2, delta)
+    dk, dv = torch.zeros(k.shape), torch.zeros(v.shape)
+    by_group = [x.unflatten(2, (-1, G)) for x in (q, do, lse2, delta)]   # [B, T, Hkv, G(, D)]
+    for i in range(T):   # kernel 2: key rows j <= i, query rows in order (i, then the group's heads)
+        for g in range(G):
+            qi, doi, li, di = (x[:, i:i + 1, :, g] for x in by_group)
+            prob = torch.exp2((qi * k).sum(-1) * scale_log2 - li)
+            ds = prob * ((doi * v).sum(-1) - di)
+            on = (rows <= i)[..., None]
+            dv, dk = torch.where(on, dv + prob[..., None] * doi, dv), torch.where(on, dk + ds[..., None] * qi, dk)
+    return dq, dk * scale, dv
+
+
+NONFINITE_INJECTIONS = 15   # NaN, +Inf, -Inf at each of 5 times
+
+
+def inject_one_per_batch(x, T, rng):
+    """NaN, +Inf and -Inf at times 0, 37, 63, 64 and T - 1 of x (q, k, v or grad_out: B >= 15), one
+    a batch (so they never meet), at a head and channel from rng (batch 0: channel 0). Returns labels."""
+    labels = []
+    for b, (value, t) in enumerate(itertools.product((NAN, INF, -INF), (0, 37, 63, 64, T - 1))):
+        h, d = rng.randrange(x.shape[2]), 0 if b == 0 else rng.randrange(x.shape[3])
+        x[b, t, h, d] = value
+        labels.append("b%d: %s at (t %d, h %d, d %d)" % (b, value, t, h, d))
+    return labels
+
+
+def assert_grads_like_reference(got, ref, what, finite_check):
+    """NaN, +Inf and -Inf at exactly the reference's elements of dq, dk and dv; finite_check(a, b) on
+    the finite ones."""
+    for grad_name, a, b in zip(("dq", "dk", "dv"), got, ref):
+        for kind, test in (("NaN", torch.isnan), ("+Inf", torch.isposinf), ("-Inf", torch.isneginf)):
+            off = test(a) != test(b)
+            assert not off.any(), "%s %s: %s differs from the reference at %d elements, first (b, t, h, d) %s" % (
+                what, grad_name, kind, int(off.sum()), off.nonzero()[:4].tolist())
+        finite = torch.isfinite(b)
+        if finite.any():
+            assert finite_check(a[finite], b[finite]), (what, grad_name)
+
+
+def test_backward_nonfinite_rule_worked_example():
+    """backward.cu's worked example (T = 2, D = 1): row 1 with p = (3/4, 1/4), v = (1, -1) and
+    dO_1 = +Inf. dO_1 . o_1 = +Inf would give dS_1 = (NaN, -Inf) and dK_1 = -Inf; autograd's delta
+    = sum_j p_j dP_j is NaN, so float64 autograd's dK is NaN at both keys, and so is the emulation's."""
+    q = torch.tensor([1.0, 1.0]).view(1, 2, 1, 1)
+    k = torch.tensor([math.log(3), 0.0]).view(1, 2, 1, 1)
+    v = torch.tensor([1.0, -1.0]).view(1, 2, 1, 1)
+    grad_out = torch.tensor([1.0, INF]).view(1, 2, 1, 1)
+    p, dp = torch.tensor([0.75, 0.25]), grad_out[0, 1, 0, 0] * v.view(2)
+    by_o = p * (dp - grad_out[0, 1, 0, 0] * (p @ v.view(2)))
+    assert torch.isnan(by_o[0]) and torch.isneginf(by_o[1])
+    ref = reference_grads(q, k, v, grad_out)
+    assert torch.isnan(ref[1]).all() and torch.isnan(ref[0][0, 1]).all() and torch.isfinite(ref[0][0, 0]).all()
+    assert torch.isposinf(ref[2]).all()
+    o = reference.causal_gqa_reference(q, k, v)
+    assert_grads_like_reference(rowwise_backward_emulation(q, k, v, o, grad_out), ref, "worked example",
+                                lambda a, b: torch.allclose(a.double(), b, atol=1e-5))
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v", "grad_out"])
+def test_rowwise_backward_emulation_nonfinite_like_reference(which):
+    """The row-wise kernels' arithmetic (rowwise_backward_emulation, fp32 on the CPU) with NaN, +Inf
+    and -Inf alone in `which` at times 0, 37, 63, 64 and T - 1, one a batch: dq, dk and dv NaN,
+    +Inf and -Inf at exactly float64 autograd's elements (reference_grads), allclose 1e-4 elsewhere.
+    o is the float64 forward's in fp32, whose NaN and +-Inf every forward plan gives
+    (test_gpu_every_plan_nonfinite_like_reference)."""
+    B, T, Hq, Hkv, D = NONFINITE_INJECTIONS, 100, 4, 2, 16
+    q, k, v = make_qkv(B, T, Hq, Hkv, D)
+    grad_out = torch.randn_like(q)
+    labels = inject_one_per_batch(dict(q=q, k=k, v=v, grad_out=grad_out)[which], T, random.Random(seed_of("inject", which)))
+    o = reference.causal_gqa_reference(q, k, v).float()
+    assert_grads_like_reference(rowwise_backward_emulation(q, k, v, o, grad_out), reference_grads(q, k, v, grad_out),
+                                "%s [%s]" % (which, "; ".join(labels)),
+                                lambda a, b: torch.allclose(a.double(), b, rtol=1e-4, atol=1e-4))
+
+
+def test_backward_plans_list_is_every_backward_plan():
+    """BACKWARD_PLAN_CASES names bench/sanitize.py's list of every backward plan: 19 on an sm_90a
+    build (the row-wise kernels in three dtypes, the x3 unit at 64 and 128, mma.sync and wgmma in 16
+    bits, and the fused kernel)."""
+    assert sorted(BACKWARD_PLAN_CASES) == sorted(_load_sanitize().BACKWARD_PLANS) and len(BACKWARD_PLAN_CASES) == 19
+
+@needs_gpu
+@pytest.mark.parametrize("name", list(BACKWARD_PLAN_CASES))
+def test_gpu_backward_nonfinite_masks_every_plan(name, monkeypatch):
+    """Each backward plan (asserted through backward_plan), with NaN, +Inf and -Inf alone in q, k, v
+    or grad_out (one call each) at times 0, 37, 63, 64 and T - 1, one a batch, at a seeded head and
+    channel: dq, dk and dv NaN, +Inf and -Inf at exactly float64 autograd's elements, the rule of
+    backward.cu's header; the finite ones within fp32's 1e-4 or 16-bit's 2e-2 norm-relative."""
+    family, dtype_name = name.split("/")[:2]
+    D = int(name.split("/")[2][1:]) if family != "backward" else 40
+    T = 100 if family in ("backward", "bwdmma") else 130
+    if family in ("bwdwg", "bwdx3") and tensor_core_backward(T, D) != "bwdwg":
+        pytest.skip("the wgmma and x3 units run on an H100 or H200 with an sm_90a build")
+    if name.endswith("/fused"):
+        monkeypatch.setenv("GQA_FUSED_BACKWARD_MIN_T", "129")
+    else:
+        monkeypatch.delenv("GQA_FUSED_BACKWARD_MIN_T", raising=False)
+    dtype = DTYPES[dtype_name]
+    rng = random.Random(seed_of("nonfinite backward", name))
+    for which in ("q", "k", "v", "grad_out"):
+        q, k, v = make_qkv(NONFINITE_INJECTIONS, T, 2, 1, D, device="cuda", dtype=dtype)
+        assert gqa_module.backward_plan(q, k, v) == name
+        grad_out = torch.randn_like(q)
+        labels = inject_one_per_batch(dict(q=q, k=k, v=v, grad_out=grad_out)[which], T, rng)
+        if dtype == torch.float32:
+            close = lambda a, b: torch.allclose(a.double(), b, rtol=1e-4, atol=1e-4)
+        else:
+            close = lambda a, b: rel_err(a, b) <= 2e-2
+        assert_grads_like_reference(project_grads(q, k, v, grad_out), reference_grads(q, k, v, grad_out),
+                                    "%s, %s [%s]" % (name, which, "; ".join(labels)), close)
 
 
 BACKWARD_GRID = [(B, T, Hq, Hkv, D) for B, T in ((2, 1), (1, 63), (2, 65), (1, 1000))
