@@ -45,7 +45,12 @@ def _read_kernel_files():
     """Every file under kernels/, by relative path, in sorted path order."""
     if _EMBEDDED_SOURCES is not None:
         return {path: text.encode() for path, text in sorted(_EMBEDDED_SOURCES.items())}
-    kernel_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels")
+    here = os.path.dirname(os.path.abspath(__file__))
+    # kernels/ beside this file in a checkout (and an editable install); gqa_module_kernels/, the
+    # same files, beside it where `pip install .` put it in site-packages (pyproject.toml).
+    kernel_dir = os.path.join(here, "kernels")
+    if not os.path.isdir(kernel_dir):
+        kernel_dir = os.path.join(here, "gqa_module_kernels")
     files = {}
     for root, _, names in os.walk(kernel_dir):
         for name in names:

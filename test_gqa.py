@@ -414,6 +414,151 @@ def test_cpu_call_prints_no_torch_warning():
     assert not noise, run.stderr
 
 
+# ------------------------------------------------------------------------------------------------
+# transformers (gqa_transformers.py): tiny random-init models with GQA, the library against SDPA
+needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                        reason="needs transformers (pip install transformers)")
+
+
+def tiny_causal_lm(family, attn, **overrides):
+    """A random-init Llama, Qwen2 or Mistral with GQA (4 query heads, 2 kv heads, head_dim 16), the
+    same weights for every `attn` (seeded), in eval mode (no dropout)."""
+    import transformers
+    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                    "mistral": transformers.MistralConfig}[family]
+    config = config_class(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **overrides)
+    torch.manual_seed(seed_of("tiny model", family))
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+
+
+def loss_and_grads(model, ids, **kwargs):
+    model.zero_grad()
+    loss = model(ids, labels=ids, use_cache=False, **kwargs).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@needs_transformers
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_transformers_training_step_matches_sdpa(family):
+    """A training step (loss and every parameter's gradient) through the library's attention equals
+    transformers' SDPA attention's on the same weights (CPU: the library's PyTorch path)."""
+    import gqa_transformers
+    name = gqa_transformers.register()
+    ids = torch.randint(0, 128, (2, 40))
+    ours, ref = tiny_causal_lm(family, name), tiny_causal_lm(family, "sdpa")
+    (loss, grads), (ref_loss, ref_grads) = loss_and_grads(ours, ids), loss_and_grads(ref, ids)
+    assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6), (loss, ref_loss)
+    for key, grad in grads.items():
+        assert torch.allclose(grad, ref_grads[key], rtol=1e-4, atol=1e-6), key
+
+
+@needs_transformers
+def test_transformers_never_drops_a_mask():
+    """What the library does not compute raises a ValueError naming it: a left-padded batch, packed
+    sequences (position_ids restarting), a sliding window shorter than the keys, generation (1
+    query against a KV cache); an all-ones padding mask and a window longer than the keys run."""
+    import gqa_transformers
+    name = gqa_transformers.register()
+    model = tiny_causal_lm("llama", name)
+    ids = torch.randint(0, 128, (2, 40))
+    padded = torch.ones(2, 40, dtype=torch.long)
+    padded[0, :5] = 0
+    packed = torch.cat([torch.arange(20), torch.arange(20)]).view(1, 40)
+    cases = [("attention mask", lambda: model(ids, attention_mask=padded)),
+             ("attention mask", lambda: model(ids[:1], position_ids=packed, use_cache=False)),
+             ("query length (1) other than the key length (9)",
+              lambda: model.generate(ids[:, :8], attention_mask=torch.ones(2, 8, dtype=torch.long), max_new_tokens=2,
+                                     do_sample=False)),
+             ("sliding window (16) shorter than the keys (40)", lambda: tiny_causal_lm("mistral", name, sliding_window=16)(ids))]
+    for words, call in cases:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            call()
+    assert model(ids, attention_mask=torch.ones_like(padded)).logits.shape == (2, 40, 128)
+    assert tiny_causal_lm("mistral", name, sliding_window=64)(ids).logits.shape == (2, 40, 128)
+    with pytest.raises(ValueError, match="fallback must be None or"):
+        gqa_transformers.register(fallback="eager")
+
+
+@needs_transformers
+def test_transformers_fallback_runs_sdpa_and_says_so_once(capfd):
+    """Registered with fallback="sdpa": a padded batch's logits and greedy generation's tokens equal
+    SDPA's, each kind of call the library does not serve is named once on stderr, and calls it
+    serves stay with the library."""
+    import gqa_transformers
+    name = gqa_transformers.register("gqa_causal_or_sdpa", fallback="sdpa")
+    ours, ref = tiny_causal_lm("qwen2", name), tiny_causal_lm("qwen2", "sdpa")
+    ids = torch.randint(0, 128, (2, 24))
+    padded = torch.ones(2, 24, dtype=torch.long)
+    padded[1, :3] = 0
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.allclose(ours(ids, attention_mask=padded).logits, ref(ids, attention_mask=padded).logits, atol=1e-6)
+        kwargs = dict(attention_mask=torch.ones(2, 6, dtype=torch.long), max_new_tokens=4, do_sample=False)
+        assert torch.equal(ours.generate(ids[:, :6], **kwargs), ref.generate(ids[:, :6], **kwargs))
+    said = [line for line in capfd.readouterr().err.splitlines() if line.startswith("gqa_transformers")]
+    assert len(said) == len(set(said)) >= 2 and all("runs transformers' SDPA attention" in line for line in said), said
+    assert any("attention mask" in line for line in said) and any("query length (1)" in line for line in said), said
+
+
+@needs_gpu
+@needs_transformers
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_transformers_training_step_matches_sdpa(family, dtype):
+    """On the GPU (the library's kernels): a training step's loss and gradients against SDPA's, in
+    fp32 to 1e-4, in bf16 within twice SDPA's own distance from eager attention (plus 1e-3 of the
+    loss)."""
+    import gqa_transformers
+    name = gqa_transformers.register()
+    ids = torch.randint(0, 128, (2, 200), device="cuda")
+    models = {attn: tiny_causal_lm(family, attn).to("cuda", dtype) for attn in (name, "sdpa", "eager")}
+    results = {attn: loss_and_grads(model, ids) for attn, model in models.items()}
+    (loss, grads), (ref_loss, ref_grads), (eager_loss, eager_grads) = (results[a] for a in (name, "sdpa", "eager"))
+    if dtype == torch.float32:
+        assert torch.allclose(loss, ref_loss, rtol=1e-4), (loss, ref_loss)
+        for key, grad in grads.items():
+            assert rel_err(grad, ref_grads[key].double()) <= 1e-4, key
+    else:
+        assert (loss - ref_loss).abs() <= 2 * (ref_loss - eager_loss).abs() + 1e-3 * ref_loss.abs(), (loss, ref_loss, eager_loss)
+        for key, grad in grads.items():
+            bound = 2 * rel_err(ref_grads[key], eager_grads[key].double()) + 1e-3
+            assert rel_err(grad, ref_grads[key].double()) <= bound, key
+
+
+def test_pip_install_puts_the_kernels_beside_the_module(tmp_path):
+    """`pip install .` (from a copy of the checkout's installable files) installs gqa_module,
+    gqa_transformers and kernels/ as gqa_module_kernels/ beside them: imported from another folder,
+    the module reads the same kernel sources (same sha256) and runs a CPU call."""
+    import shutil
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "gqa_module.py", "gqa_transformers.py"):
+        shutil.copy(os.path.join(HERE, name), source / name)
+    shutil.copytree(os.path.join(HERE, "kernels"), source / "kernels")
+    target = tmp_path / "site"
+    run = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                          "--target", str(target), str(source)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    code = ("import torch, gqa_module, gqa_transformers\n"
+            "print(gqa_module.__file__)\n"
+            "print(gqa_module.kernel_source_sha256())\n"
+            "q, k, v = (torch.randn(1, 5, h, 8) for h in (2, 1, 1))\n"
+            "print(tuple(gqa_module.causal_gqa_attention(q, k, v).shape))\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, capture_output=True, text=True, timeout=900,
+                         env=dict(os.environ, PYTHONPATH=str(target)))
+    assert run.returncode == 0, run.stderr[-3000:]
+    module_file, sha, shape = run.stdout.split("\n")[:3]
+    assert module_file == str(target / "gqa_module.py") and shape == "(1, 5, 2, 8)", run.stdout
+    assert sha == gqa_module.kernel_source_sha256()
+    installed = sorted(os.path.relpath(os.path.join(root, f), target / "gqa_module_kernels")
+                       for root, _, names in os.walk(target / "gqa_module_kernels") for f in names)
+    assert installed == sorted(gqa_module._read_kernel_files())
+
+
 def test_build_id_separates_environments(monkeypatch, tmp_path):
     """Library names carry the sources' sha and a key of the environment: another torch version,
     install location, Python ABI, compiler, ninja or toolkit gives another name; the same gives the
