@@ -73,3 +73,47 @@ def causal_gqa_reference(q, k, v, attended_only=False):
         scores = scores.masked_fill(future, float("-inf"))
         out[:, :, h] = torch.softmax(scores, dim=-1) @ v64[:, :, kv]
     return out
+
+
+def attention_ref(q, k, v, causal=True, window=(-1, -1), scale=None, softcap=0.0):
+    """Attention in float64 with FlashAttention's arguments and meanings, the reference for every
+    mask: q [B, Tq, Hq, D], k and v [B, Tk, Hkv, D] (query head h reads kv head h // (Hq // Hkv)).
+
+    Query i is aligned with key i + Tk - Tq (bottom right, as FlashAttention does when Tq != Tk).
+    It sees key j when j <= i + Tk - Tq + right and j >= i + Tk - Tq - left, for window = (left,
+    right) where -1 means unbounded; causal=True sets right to 0. Scores are q . k * scale (default
+    1/sqrt(D)), then softcap * tanh(score / softcap) when softcap > 0. A row that sees no key gives
+    0 and a log-sum-exp of -inf. Returns (out [B, Tq, Hq, D], lse [B, Hq, Tq], natural log), float64.
+    As causal_gqa_reference, inputs holding Inf or NaN take loops over the keys each row sees, so
+    a masked key's 0 weight never multiplies them."""
+    B, Tq, Hq, D = q.shape
+    Tk, group = k.shape[1], Hq // k.shape[2]
+    scale = 1 / math.sqrt(D) if scale is None else scale
+    left, right = window[0], 0 if causal else window[1]
+    i = torch.arange(Tq, device=q.device).view(Tq, 1) + (Tk - Tq)
+    j = torch.arange(Tk, device=q.device).view(1, Tk)
+    sees = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device)
+    if right >= 0:
+        sees &= j <= i + right
+    if left >= 0:
+        sees &= j >= i - left
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    out = torch.zeros(B, Tq, Hq, D, dtype=torch.float64, device=q.device)
+    lse = torch.full((B, Hq, Tq), -math.inf, dtype=torch.float64, device=q.device)
+    capped = (lambda s: softcap * torch.tanh(s / softcap)) if softcap > 0 else (lambda s: s)
+    finite = all(bool(torch.isfinite(t).all()) for t in (q64, k64, v64))
+    for h in range(Hq):
+        kv = h // group
+        if finite:
+            s = capped(torch.einsum("btd,bsd->bts", q64[:, :, h], k64[:, :, kv]) * scale).masked_fill(~sees, -math.inf)
+            row_lse = torch.logsumexp(s, dim=-1)
+            p = torch.exp(s - row_lse.unsqueeze(-1)).nan_to_num(0.0)   # rows that see no key: 0
+            out[:, :, h], lse[:, h] = p @ v64[:, :, kv], row_lse
+            continue
+        for t in range(Tq):
+            keys = sees[t].nonzero().flatten()
+            if keys.numel() > 0:
+                s = capped(torch.einsum("bd,bsd->bs", q64[:, t, h], k64[:, keys, kv]) * scale)
+                lse[:, h, t] = torch.logsumexp(s, dim=-1)
+                out[:, t, h] = torch.einsum("bs,bsd->bd", torch.softmax(s, dim=-1), v64[:, keys, kv])
+    return out, lse

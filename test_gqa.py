@@ -354,6 +354,51 @@ def test_reference_float64_nonfinite_values_follow_the_loops():
     assert torch.allclose(loops.double()[finite], exact[finite], atol=1e-5, rtol=1e-5)
 
 
+def test_attention_ref_is_the_causal_reference_at_equal_lengths():
+    """reference.attention_ref with its defaults (causal, Tq = Tk, 1/sqrt(D)) is
+    causal_gqa_reference, with finite inputs and with NaN, +Inf and -Inf in q, k and v."""
+    q, k, v = make_qkv(2, 13, 6, 2, 5, dtype=torch.float64)
+    out, lse = reference.attention_ref(q, k, v)
+    assert torch.allclose(out, reference.causal_gqa_reference(q, k, v), atol=1e-13) and lse.shape == (2, 6, 13)
+    q[0, 4, 1, 2], k[1, 7, 0, 0], v[0, 9, 1, 3] = NAN, INF, -INF
+    out, _ = reference.attention_ref(q, k, v)
+    exact = reference.causal_gqa_reference(q, k, v)
+    for test in (torch.isnan, torch.isposinf, torch.isneginf):
+        assert torch.equal(test(out), test(exact))
+    finite = torch.isfinite(exact)
+    assert torch.allclose(out[finite], exact[finite], atol=1e-13)
+
+
+def test_attention_ref_follows_flash_attention_masks():
+    """reference.attention_ref against the definition written out key by key, FlashAttention's
+    semantics: query i aligned with key i + Tk - Tq, window (left, right) with -1 unbounded,
+    causal as right = 0, any scale, tanh softcap; a row that sees no key gives 0 and lse -inf."""
+    rng = random.Random(53)
+    for Tq, Tk in ((5, 5), (3, 8), (8, 3), (1, 7), (6, 1)):
+        for causal, window, scale, softcap in ((True, (-1, -1), None, 0.0), (False, (-1, -1), 0.3, 0.0),
+                                               (True, (2, -1), None, 0.0), (False, (1, 1), None, 2.0),
+                                               (False, (0, 0), 1.5, 0.0), (False, (-1, 2), None, 0.5)):
+            q = torch.randn(2, Tq, 4, 3, dtype=torch.float64)
+            k, v = (torch.randn(2, Tk, 2, 3, dtype=torch.float64) for _ in range(2))
+            out, lse = reference.attention_ref(q, k, v, causal=causal, window=window, scale=scale, softcap=softcap)
+            sc = 1 / math.sqrt(3) if scale is None else scale
+            left, right = window[0], 0 if causal else window[1]
+            b, h = rng.randrange(2), rng.randrange(4)
+            for i in range(Tq):
+                a = i + Tk - Tq
+                keys = [j for j in range(Tk) if (right < 0 or j <= a + right) and (left < 0 or j >= a - left)]
+                if not keys:
+                    assert out[b, i, h].abs().max() == 0 and lse[b, h, i] == -math.inf, (Tq, Tk, causal, window, i)
+                    continue
+                s = [float(q[b, i, h] @ k[b, j, h // 2]) * sc for j in keys]
+                s = [softcap * math.tanh(x / softcap) for x in s] if softcap > 0 else s
+                m = max(s)
+                w = [math.exp(x - m) for x in s]
+                expect = sum(wj * v[b, j, h // 2] for wj, j in zip(w, keys)) / sum(w)
+                assert torch.allclose(out[b, i, h], expect, atol=1e-12), (Tq, Tk, causal, window, i)
+                assert abs(lse[b, h, i].item() - (m + math.log(sum(w)))) < 1e-12
+
+
 N_BAD_CPU = len(bad_inputs("cpu"))
 
 
