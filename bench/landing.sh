@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The landing cycle of a kernel change on a GPU machine, in two calls of under ten minutes each,
+# writing everything under $OUT (default /tmp/landing):
+#
+#   bash bench/landing.sh tests   # every unit built at once; the sanitizer started in the background
+#                                 # (its own session, so it outlives this call); the GPU test file
+#                                 # (pytest-xdist workers where it is installed) beside
+#                                 # bench/kernelbench_eval.py
+#   bash bench/landing.sh bench   # waits for the sanitizer, copies its JSON, then the benchmark alone
+#
+# The second call must follow the first while the machine is still held ($OUT is emptied between
+# calls; the first call's files have come back by then). SANITIZER_FROM names a committed partial
+# sanitizer JSON to resume from (bench/sanitize.py --resume: its passed tools are kept when the
+# kernels, seed, cases and versions match); BENCH_ARGS replaces the benchmark's arguments
+# (default --no-sweep --backward).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/landing}
+mkdir -p "$out"
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/ext} PYTHONUNBUFFERED=1
+san_json=/tmp/landing-sanitizer.json
+san_log=/tmp/landing-sanitizer.log
+
+case "${1:-}" in
+tests)
+    nvidia-smi --query-gpu=name,clocks.sm,power.draw,temperature.gpu --format=csv,noheader
+    python3 bench/build_units.py 2>&1 | tail -1
+    python3 gqa_module.py 2>&1 | tail -1
+    resume=()
+    if [ -n "${SANITIZER_FROM:-}" ]; then cp "$SANITIZER_FROM" "$san_json" && resume=(--resume); fi
+    setsid nohup python3 bench/sanitize.py --out "$san_json" --log-dir /tmp/landing-sanitizer-logs --timeout 420 \
+        "${resume[@]}" >"$san_log" 2>&1 </dev/null &
+    kb_pid=
+    if [ -d .kb/src ]; then
+        (KERNELBENCH_SRC=$PWD/.kb/src python3 bench/kernelbench_eval.py "$out/kernelbench_eval.json" >"$out/kb.log" 2>&1
+         echo "kernelbench_eval exit $?" >>"$out/kb.log") &
+        kb_pid=$!
+    fi
+    workers=()
+    python3 -c "import xdist" 2>/dev/null && workers=(-n 4)
+    timeout 500 python3 -m pytest -q -rs -p no:cacheprovider "${workers[@]}" test_gqa.py >"$out/gpu_tests.log" 2>&1
+    echo "pytest exit $?"
+    tail -15 "$out/gpu_tests.log"
+    [ -n "$kb_pid" ] && wait "$kb_pid" && tail -2 "$out/kb.log"
+    tail -3 "$san_log"
+    ;;
+bench)
+    for _ in $(seq 90); do pgrep -f bench/sanitize.py >/dev/null || break; sleep 5; done
+    tail -8 "$san_log"
+    cp "$san_json" "$out/sanitizer.json" 2>/dev/null || echo "no sanitizer JSON (see $san_log)"
+    pgrep -f bench/sanitize.py >/dev/null && { echo "the sanitizer is still running: no benchmark"; exit 1; }
+    # shellcheck disable=SC2086
+    timeout 420 python3 bench/bench_gqa.py ${BENCH_ARGS:---no-sweep --backward} --out "$out" >"$out/bench.log" 2>&1
+    echo "bench exit $?"
+    tail -40 "$out/bench.log"
+    ;;
+*)
+    echo "usage: bash bench/landing.sh tests|bench" >&2
+    exit 2
+    ;;
+esac
