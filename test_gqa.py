@@ -1152,11 +1152,11 @@ def test_plan_cases_cover_every_plan():
 
 
 def test_readme_counts_the_plans():
-    """README.md's Plans section gives the number of plans an sm_90a build lists."""
+    """docs/design.md's Plans section gives the number of plans an sm_90a build lists."""
     plans = gqa_module.all_plans()
     if not any(name.startswith("wgmma/") for name in plans):
-        pytest.skip("this build has no wgmma family (no sm_90a); README.md counts an sm_90a build's plans")
-    with open(os.path.join(HERE, "README.md")) as fh:
+        pytest.skip("this build has no wgmma family (no sm_90a); docs/design.md counts an sm_90a build's plans")
+    with open(os.path.join(HERE, "docs", "design.md")) as fh:
         found = re.findall(r"`gqa_module.all_plans\(\)` lists the (\d+) plans of an sm_90a build", fh.read())
     assert found == [str(len(plans))], (found, len(plans))
 
@@ -1615,7 +1615,7 @@ KB_AVOIDED_WARNINGS = {
     "torch.nn compute": [r"torch\.nn\.(?!(Module|parameter|Parameter|ParameterList|ParameterDict|ModuleList|ModuleDict|init)\b)",
                          r"\bnn\.functional\.\w+"],
 }
-# The precision-downgrade warning (fp32 only) that README.md lists: fp16 output is stored with __float2half_rn.
+# The precision-downgrade warning (fp32 only) that docs/design.md lists: fp16 output is stored with __float2half_rn.
 KB_FP16_CONVERSION = r"__float2half(_rn)?\s*\("
 
 
@@ -1632,8 +1632,8 @@ def first_match(pattern, code):
 
 
 def readme_checker_warnings():
-    """{precision: {warning}} from README.md's table of what KernelBench's checker reports."""
-    with open(os.path.join(HERE, "README.md")) as fh:
+    """{precision: {warning}} from docs/design.md's table of what KernelBench's checker reports."""
+    with open(os.path.join(HERE, "docs", "design.md")) as fh:
         text = fh.read()
     section = text.split("### KernelBench's static checker", 1)[1].split("\n#", 1)[0]
     listed = {}
@@ -1666,9 +1666,9 @@ def test_bundle_obeys_kernelbench_static_rules(bundle_path):
     assert kernels.count("__global__") > 0
     assert code.count("__global__") == kernels.count("__global__")
     assert "load_inline" in code
-    # The one fp32 warning left is the fp16 store of the CUDA sources, and README.md lists it.
+    # The one fp32 warning left is the fp16 store of the CUDA sources, and docs/design.md lists it.
     if re.search(KB_FP16_CONVERSION, code):
-        assert readme_checker_warnings().get("fp32"), "README.md must list the fp32 precision warning"
+        assert readme_checker_warnings().get("fp32"), "docs/design.md must list the fp32 precision warning"
     # gqa_module.py itself obeys the error rules too.
     with open(os.path.join(HERE, "gqa_module.py")) as fh:
         own = kernelbench_cut(fh.read())
@@ -1683,7 +1683,7 @@ KERNELBENCH_SRC = os.environ.get("KERNELBENCH_SRC")
 @pytest.mark.skipif(not KERNELBENCH_SRC, reason="KERNELBENCH_SRC is not set: point it at a KernelBench checkout's "
                                                 "src/ directory to run KernelBench's own static checker on the bundle")
 def test_bundle_passes_kernelbench_checker(bundle_path):
-    """KernelBench's own validate_kernel_static: valid, no errors, and only the warnings README.md lists."""
+    """KernelBench's own validate_kernel_static: valid, no errors, and only the warnings docs/design.md lists."""
     path = os.path.join(KERNELBENCH_SRC, "kernelbench", "kernel_static_checker.py")
     assert os.path.isfile(path), "KERNELBENCH_SRC=%s has no kernelbench/kernel_static_checker.py" % KERNELBENCH_SRC
     # The checker file alone: the kernelbench package's __init__ imports API clients it does not need.
