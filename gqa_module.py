@@ -213,15 +213,21 @@ def _build_id(sha, cuda_home=None):
     """The part of every library's name that says what built it: the kernel sources' sha256 (12 hex
     digits), then 8 of a hash of what makes a build unshareable between environments on one build
     root: torch (version, CUDA version, install location: its headers), the Python ABI, the C++
-    compiler, ninja, and the CUDA toolkit (`cuda_home`, for the CUDA libraries). So two virtual
-    environments side by side each keep their own build instead of rebuilding each other's."""
+    compiler, ninja and nvcc (each file's location and time), the CUDA toolkit (`cuda_home`, for
+    the CUDA libraries) and the compiler flags. So two virtual environments side by side each keep
+    their own build instead of rebuilding each other's."""
     import shutil
     import sysconfig
 
-    tools = [os.environ.get("CXX", "c++"), "ninja"]
+    tools = [shutil.which(os.environ.get("CXX", "c++")), shutil.which("ninja")]
+    if cuda_home:
+        tools.append(os.path.join(cuda_home, "bin", "nvcc"))
     facts = [torch.__version__, str(torch.version.cuda), os.path.dirname(os.path.abspath(torch.__file__)),
-             sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag, str(cuda_home)]
-    facts += [os.path.realpath(shutil.which(tool) or tool) for tool in tools]
+             sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag, str(cuda_home),
+             " ".join(_CFLAGS + _CUDA_CFLAGS + _NVCC_FLAGS)]
+    for tool in tools:   # each tool's location and its file's time: an upgrade in place is another tool
+        path = os.path.realpath(tool) if tool else "none"
+        facts.append("%s %s" % (path, os.stat(path).st_mtime_ns if os.path.exists(path) else "absent"))
     return "%s_%s" % (sha[:12], hashlib.sha256("\n".join(facts).encode()).hexdigest()[:8])
 
 
@@ -254,6 +260,10 @@ def _library_in_process(sha):
     return namespace
 
 
+_CFLAGS = ["-O2"]                                        # the entry library's host code
+_CUDA_CFLAGS = ["-O3", "-std=c++17", "--split-compile=0"]  # and its device code (beside torch's)
+
+
 def _library(name, what, cpp_source, cuda_source, cuda_flags):
     """load_inline's arguments for one library in its own directory under the build root, and
     what the build message calls it."""
@@ -262,8 +272,8 @@ def _library(name, what, cpp_source, cuda_source, cuda_flags):
         name=name,
         cpp_sources=[cpp_source],
         cuda_sources=[cuda_source],
-        extra_cflags=["-O2"],
-        extra_cuda_cflags=["-O3", "-std=c++17", "--split-compile=0"] + cuda_flags + (["-Xptxas=-v"] if verbose else []),
+        extra_cflags=list(_CFLAGS),
+        extra_cuda_cflags=_CUDA_CFLAGS + cuda_flags + (["-Xptxas=-v"] if verbose else []),
         build_directory=os.path.join(_build_root(), name),
         verbose=verbose,
         with_cuda=True,
