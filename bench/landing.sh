@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# The landing cycle of a kernel change on a GPU machine, in two calls of under ten minutes each,
+# The landing cycle of a kernel change on a GPU machine, in two commands of under ten minutes each,
 # writing everything under $OUT (default /tmp/landing):
 #
 #   bash bench/landing.sh tests   # every unit built at once; the sanitizer started in the background
-#                                 # (its own session, so it outlives this call); the GPU test file
+#                                 # (setsid, so it outlives this command); the GPU test file
 #                                 # (pytest-xdist workers where it is installed) beside
 #                                 # bench/kernelbench_eval.py
 #   bash bench/landing.sh bench   # waits for the sanitizer, copies its JSON, then the benchmark alone
 #
-# The second call must follow the first while the machine is still held ($OUT is emptied between
-# calls; the first call's files have come back by then). SANITIZER_FROM names a committed partial
+# The second command runs on the same machine after the first (it waits for that sanitizer; $OUT
+# may be emptied in between, so copy the first command's files away first). SANITIZER_FROM names a committed partial
 # sanitizer JSON to resume from (bench/sanitize.py --resume: its passed tools are kept when the
 # kernels, seed, cases and versions match); BENCH_ARGS replaces the benchmark's arguments
 # (default --no-sweep --backward).
