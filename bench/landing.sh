@@ -38,7 +38,7 @@ tests)
     fi
     workers=()
     python3 -c "import xdist" 2>/dev/null && workers=(-n 4)
-    timeout 500 python3 -m pytest -q -rs -p no:cacheprovider "${workers[@]}" test_gqa.py >"$out/gpu_tests.log" 2>&1
+    timeout 500 python3 -m pytest -q -rs -p no:cacheprovider --durations=30 "${workers[@]}" test_gqa.py >"$out/gpu_tests.log" 2>&1
     echo "pytest exit $?"
     tail -15 "$out/gpu_tests.log"
     [ -n "$kb_pid" ] && wait "$kb_pid" && tail -2 "$out/kb.log"
