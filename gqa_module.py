@@ -36,7 +36,8 @@ import torch.nn.functional as F   # the PyTorch path only; the bundle is for CUD
 # The bundle written by `python gqa_module.py --bundle OUT.py` sets this to {path: source text}, so
 # that it reads no files at run time; this module reads kernels/ from disk instead.
 _EMBEDDED_SOURCES = None
-_LIBRARY = "gqa_attn"
+_LIBRARY = "gqa_attn"              # the CUDA entry library's op namespace
+_CPU_LIBRARY = "gqa_attn_cpu"      # the CPU library's (the input rules for the PyTorch path)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -93,7 +94,7 @@ def _translation_unit(files, path, seen=None):
 def _cpp_extension():
     """torch.utils.cpp_extension, imported without the warning it logs on a machine without a CUDA
     runtime ("No CUDA runtime is found"), which tells a user of the CPU path nothing they can act
-    on: the libraries find their toolkit themselves (_cuda_home) and say so when there is none."""
+    on: the CPU library needs no CUDA, and the CUDA libraries find their toolkit themselves."""
     import logging
 
     if "torch.utils.cpp_extension" not in sys.modules:
@@ -237,17 +238,17 @@ def _environment_words(cuda_home=None):
                                                ", toolkit %s" % cuda_home if cuda_home else "")
 
 
-def _library_in_process(sha):
-    """torch.ops.gqa_attn when this process already holds the library built from kernel sources
-    with this sha256 (loaded by this module, by a bundle exec'd beside it, or by another copy of
-    the bundle), else None.
+def _library_in_process(sha, library=_LIBRARY, op="causal_attention"):
+    """torch.ops.<library> (default: gqa_attn) when this process already holds that library, whose
+    op `op` it registers, built from kernel sources with this sha256 (loaded by this module, by a
+    bundle exec'd beside it, or by another copy of the bundle), else None.
 
     torch lets one library register an op namespace per process: loading a second build (the
     same sources from another build directory, or other sources) would abort the interpreter.
     So a copy that finds the ops registered reuses them, and one whose sources differ from the
     loaded library's (recorded on the namespace object by the copy that loaded it) is refused."""
-    namespace = getattr(torch.ops, _LIBRARY)
-    if not hasattr(namespace, "causal_attention"):
+    namespace = getattr(torch.ops, library)
+    if not hasattr(namespace, op):
         return None
     loaded = getattr(namespace, "_gqa_source_sha256", None)
     if loaded != sha:
@@ -256,7 +257,7 @@ def _library_in_process(sha):
             "sha256 %s, and this copy's kernel sources have sha256 %s. A process can hold only one "
             "library for the op namespace %s, so this copy cannot load its own: run it in a fresh "
             "process, or use the copy whose sources match the loaded library."
-            % (_LIBRARY, loaded or "unknown (it was loaded without gqa_module)", sha, _LIBRARY))
+            % (library, loaded or "unknown (it was loaded without gqa_module)", sha, library))
     return namespace
 
 
@@ -347,6 +348,11 @@ def load_extension(first_call=None):
     files = _read_kernel_files()
     sha = kernel_source_sha256(files)
     if _library_in_process(sha) is None:
+        if torch.version.cuda is None:
+            raise RuntimeError(
+                "gqa_module: this torch (%s) is a CPU-only build, so the CUDA library cannot be built here. CPU "
+                "tensors need no CUDA library (causal_gqa_attention, plan and backward_plan run them through "
+                "PyTorch); the CUDA kernels, plan_for and all_plans need a CUDA build of torch." % torch.__version__)
         home = _cuda_home()
         _use_cuda_home(home)
         targets, build_id = _targets(), _build_id(sha, home)
@@ -601,7 +607,7 @@ def _register_fake():
 def _attention_torch(q, k, v):
     """The same function through PyTorch, for tensors that are not on a CUDA device. A call that
     autograd records takes SDPA's math backend, whose backward is differentiable again (the CPU
-    flash backend's is not), so double backward works on this path."""
+    flash backend's is not), so double backward and gradgradcheck work on this path."""
     if q.numel() == 0:
         return q.new_empty(q.shape)
     from torch.nn import attention
@@ -615,12 +621,39 @@ def _attention_torch(q, k, v):
     return out.transpose(1, 2).contiguous()
 
 
+_CPU_OPS = None   # torch.ops.gqa_attn_cpu once the CPU library is loaded
+
+
+def load_cpu_library():
+    """Build (first time in this environment) and load the CPU library: the input rules of
+    kernels/checks.h as the op check_inputs, compiled without CUDA (kernels/cpu_checks.cpp), so the
+    PyTorch path runs on a CPU-only torch too; returns torch.ops.gqa_attn_cpu. Once per process,
+    as load_extension."""
+    global _CPU_OPS
+    if _CPU_OPS is None:
+        files = _read_kernel_files()
+        sha = kernel_source_sha256(files)
+        if _library_in_process(sha, _CPU_LIBRARY, "check_inputs") is None:
+            name = "%s_%s" % (_CPU_LIBRARY, _build_id(sha))
+            verbose = os.environ.get("GQA_BUILD_VERBOSE") == "1"
+            library = {"what": "the CPU library", "environment": _environment_words(), "args": dict(
+                name=name, cpp_sources=[_translation_unit(files, "cpu_checks.cpp")], extra_cflags=["-O2"],
+                build_directory=os.path.join(_build_root(), name), verbose=verbose, with_cuda=False,
+                is_python_module=False, no_implicit_headers=True)}
+            _build(library, done=lambda: _library_in_process(sha, _CPU_LIBRARY, "check_inputs") is not None)
+            namespace = getattr(torch.ops, _CPU_LIBRARY)
+            if not hasattr(namespace, "_gqa_source_sha256"):
+                namespace._gqa_source_sha256 = sha
+        _CPU_OPS = getattr(torch.ops, _CPU_LIBRARY)
+    return _CPU_OPS
+
+
 def _not_on_cuda(q, k, v, run=True):
     """Inputs that the CUDA library does not run (q not a CUDA tensor, or k or v not a tensor):
-    checked by the library's own rules (the ones CUDA inputs meet), then run through PyTorch;
-    run=False: only checked, and the plan's name returned."""
+    checked by the library's own rules (the ones CUDA inputs meet; the CPU also takes float64),
+    then run through PyTorch; run=False: only checked, and the plan's name returned."""
     _require_tensors(q, k, v)
-    load_extension().check_inputs.default(q, k, v)
+    load_cpu_library().check_inputs.default(q, k, v)
     return _attention_torch(q, k, v) if run else "pytorch/" + q.device.type
 # bundle: end pytorch-path
 
@@ -827,8 +860,13 @@ def _main():
     spec.loader.exec_module(reference)
 
     started = time.perf_counter()
-    load_extension()
-    print("extension ready in %.1f s" % (time.perf_counter() - started))
+    if torch.version.cuda is None:
+        load_cpu_library()
+        print("CPU library ready in %.1f s (torch %s is a CPU-only build: the CUDA library is not built)"
+              % (time.perf_counter() - started, torch.__version__))
+    else:
+        load_extension()
+        print("extension ready in %.1f s" % (time.perf_counter() - started))
 
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -26,6 +26,8 @@ import reference
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
+needs_cuda_torch = pytest.mark.skipif(torch.version.cuda is None, reason="needs a CUDA build of torch to build the CUDA "
+                                      "library (this torch, %s, is CPU-only)" % torch.__version__)
 
 
 def rel_err(out, exact):
@@ -95,19 +97,20 @@ def bad_inputs(device):
         ("heads", t(2, 8, 4, 16), t(2, 8, 3, 16), t(2, 8, 3, 16), ["multiple of", "Hkv"]),
         ("no kv heads", t(2, 8, 4, 16), t(2, 8, 0, 16), t(2, 8, 0, 16), ["at least one kv head"]),
         ("mixed dtype", t(2, 8, 4, 16), t(2, 8, 2, 16, dtype=torch.float16), t(2, 8, 2, 16), ["share one dtype"]),
-        ("float64", t(2, 8, 4, 16, dtype=torch.float64), t(2, 8, 2, 16, dtype=torch.float64),
-         t(2, 8, 2, 16, dtype=torch.float64), ["unsupported dtype"]),
         ("int", t(2, 8, 4, 16).int(), t(2, 8, 2, 16).int(), t(2, 8, 2, 16).int(), ["unsupported dtype"]),
         ("head_dim too big", t(1, 4, 2, 257), t(1, 4, 1, 257), t(1, 4, 1, 257), ["head_dim", "1..256"]),
         ("head_dim zero", t(1, 4, 2, 0), t(1, 4, 1, 0), t(1, 4, 1, 0), ["head_dim", "1..256"]),
     ]
     if device != "cpu":
         cases.append(("devices", t(2, 8, 4, 16), t(2, 8, 2, 16, dev="cpu"), t(2, 8, 2, 16), ["same device"]))
+        cases.append(("float64", t(2, 8, 4, 16, dtype=torch.float64), t(2, 8, 2, 16, dtype=torch.float64),
+                      t(2, 8, 2, 16, dtype=torch.float64), ["unsupported dtype", "float64 runs on the CPU only"]))
     return cases
 
 
 # ------------------------------------------------------------------------------------------------
 # Any machine
+@needs_cuda_torch
 def test_extension_builds_and_registers_ops():
     """The real load_inline build of kernels/ compiles and loads; no GPU is needed for that. Every op
     has its schema and its CUDA kernel registered, and the plan dispatch runs on the CPU."""
@@ -120,7 +123,6 @@ def test_extension_builds_and_registers_ops():
         "plan_for": "gqa_attn::plan_for(int B, int T, int Hq, int Hkv, int D, ScalarType dtype, bool aligned, "
                     "bool allow_tf32, int sm_count, int cc_major) -> str",
         "all_plans": "gqa_attn::all_plans() -> str[]",
-        "check_inputs": "gqa_attn::check_inputs(Tensor q, Tensor k, Tensor v) -> ()",
         "_set_module_loader": "gqa_attn::_set_module_loader(int address) -> ()",
         "_load_every_plan": "gqa_attn::_load_every_plan() -> int",
     }
@@ -146,12 +148,14 @@ def test_extension_builds_and_registers_ops():
     assert gqa_module.load_extension() is ops   # cached: a second call does not rebuild
 
 
+@needs_cuda_torch
 def test_every_kernel_unit_builds_and_loads():
     """Every plan's kernels and every backward tensor-core unit (built one unit at a time by first
     calls) compile, load and export their entry point: the count without a launcher is 0."""
     assert gqa_module.load_extension()._load_every_plan.default() == 0
 
 
+@needs_cuda_torch
 def test_first_calls_from_two_threads_compile_once(tmp_path):
     """A fresh process with an empty extension cache: two threads call first, one build happens."""
     code = (
@@ -300,6 +304,7 @@ except RuntimeError as error:
 """
 
 
+@needs_cuda_torch
 def test_autograd_wiring_with_cpu_stand_ins(tmp_path):
     """Inputs that require grad get a node whose backward runs causal_attention_backward; no_grad
     gets none; opcheck (autograd registration, fake, AOT dispatch) and torch.compile(fullgraph) of
@@ -423,6 +428,29 @@ def test_cpu_empty_inputs():
         assert out.shape == (B, T, 4, 8)
 
 
+def test_cpu_library_builds_without_cuda():
+    """The PyTorch path's checks come from the CPU library (kernels/cpu_checks.cpp, built with no
+    CUDA headers, its own op namespace), whose rules are checks.h's, the CUDA entry library's too."""
+    ops = gqa_module.load_cpu_library()
+    assert str(ops.check_inputs.default._schema) == "gqa_attn_cpu::check_inputs(Tensor q, Tensor k, Tensor v) -> ()"
+    files = gqa_module._read_kernel_files()
+    unit = gqa_module._translation_unit(files, "cpu_checks.cpp")
+    assert "gqa_check_inputs(" in unit and not re.search(r"#include <(c10/cuda|cuda|ATen/cuda)", unit)
+    assert '#include "checks.h"' in files["binding.cpp"].decode()
+    assert gqa_module.load_cpu_library() is ops
+
+
+def test_cpu_float64_runs_and_gradcheck_passes():
+    """float64 on the CPU: the float64 reference to rounding, and torch.autograd.gradcheck (and
+    gradgradcheck: PyTorch's autograd runs the CPU path) on a small ragged shape."""
+    q, k, v = make_qkv(2, 7, 4, 2, 5, dtype=torch.float64)
+    out = gqa_module.causal_gqa_attention(q, k, v)
+    assert out.dtype == torch.float64 and torch.allclose(out, reference.causal_gqa_reference(q, k, v), atol=1e-12)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    assert torch.autograd.gradcheck(gqa_module.causal_gqa_attention, leaves)
+    assert torch.autograd.gradgradcheck(gqa_module.causal_gqa_attention, leaves)
+
+
 def test_cpu_non_tensor_inputs_raise_type_error():
     """None, a list or a NumPy array for q, k or v: a TypeError naming the argument, from every
     entry point, and no array printed."""
@@ -445,9 +473,9 @@ def test_cpu_plans_name_pytorch():
 
 
 def test_cpu_call_prints_no_torch_warning():
-    """A CPU call in a fresh process (the entry library built already, by the tests above) writes
+    """A CPU call in a fresh process (the CPU library built already, by the tests above) writes
     nothing to stderr: no "No CUDA runtime is found" from torch's extension builder."""
-    gqa_module.load_extension()
+    gqa_module.load_cpu_library()
     code = ("import torch, gqa_module\n"
             "q, k, v = (torch.randn(1, 5, h, 8) for h in (2, 1, 1))\n"
             "print(gqa_module.causal_gqa_attention(q, k, v).shape, gqa_module.backward_plan(q, k, v))\n")
@@ -903,7 +931,7 @@ def test_gpu_repeated_calls_are_bitwise_equal():
 
 
 @needs_gpu
-@pytest.mark.parametrize("case", range(N_BAD_CPU + 1))
+@pytest.mark.parametrize("case", range(N_BAD_CPU + 2))
 def test_gpu_bad_inputs_raise_and_module_keeps_working(case):
     assert_rejected("cuda", case)
     good = make_qkv(1, 33, 4, 2, 16, device="cuda")
@@ -1139,6 +1167,7 @@ PLAN_CASES = {
 }
 
 
+@needs_cuda_torch
 def test_plan_cases_cover_every_plan():
     """PLAN_CASES names every plan of this build, and plan_for (the dispatch, run on the CPU for an
     H200) sends each case's shape to its plan. A new plan without a case fails here."""
@@ -1151,6 +1180,7 @@ def test_plan_cases_cover_every_plan():
         assert gqa_module.plan_for(B, T, Hq, Hkv, D, DTYPES[name.split("/")[1]], not offset) == name
 
 
+@needs_cuda_torch
 def test_readme_counts_the_plans():
     """docs/design.md's Plans section gives the number of plans an sm_90a build lists."""
     plans = gqa_module.all_plans()
@@ -1419,6 +1449,7 @@ def test_ws_width_consumers_is_read_from_the_source():
     assert [ws_width_consumers(w) for w in (64, 128, 256)] == [3, 2, 2]
 
 
+@needs_cuda_torch
 @pytest.mark.parametrize("sms", [132, 114, 20])
 def test_ws_plan_rows_follow_the_rule(sms):
     """plan_for (the C++ dispatch, on the CPU) names the consumer count that ws_plan's model of
@@ -1727,6 +1758,7 @@ def exec_bundle(path):
     return namespace
 
 
+@needs_cuda_torch
 def test_bundle_reads_no_files_and_refuses_cpu_tensors(bundle_path, tmp_path, monkeypatch):
     """The bundle carries kernels/ byte for byte and runs CUDA tensors only: a CPU tensor gets an
     error that points to gqa_module, which itself still runs it through PyTorch."""
@@ -1785,6 +1817,7 @@ def test_bundle_embeds_awkward_sources_byte_for_byte(monkeypatch):
     assert ns["_EMBEDDED_SOURCES"]["gqa_params.h"].encode() == files["gqa_params.h"]
 
 
+@needs_cuda_torch
 def test_bundle_run_as_script_loads_the_library(bundle_path, tmp_path):
     """A harness may precompile by running the file: that builds (or finds) and loads the library."""
     run = subprocess.run([sys.executable, str(bundle_path)], cwd=tmp_path, capture_output=True, text=True,
@@ -1901,6 +1934,7 @@ def run_two_loads(bundle_path, tmp_path, device, order):
     return summary
 
 
+@needs_cuda_torch
 @pytest.mark.parametrize("order", ["bundle-first", "module-first"])
 def test_two_loads_in_one_process(bundle_path, tmp_path, order):
     """Loading is idempotent in one process: one library, no abort, other sources refused. On CPU
@@ -1929,7 +1963,10 @@ def test_argparse_command_line(args, code, words, tmp_path):
 def test_main_without_arguments_runs_the_check():
     run = subprocess.run([sys.executable, "gqa_module.py"], cwd=HERE, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "extension ready" in run.stdout
+    if torch.version.cuda is None:
+        assert "CPU library ready" in run.stdout and "CPU-only build" in run.stdout
+    else:
+        assert "extension ready" in run.stdout
     if torch.cuda.is_available():
         assert "faster" in run.stdout
     else:
@@ -1943,6 +1980,7 @@ def first_call_processes(n, cache_dir, extra_env=None):
                              stderr=subprocess.PIPE, text=True) for _ in range(n)]
 
 
+@needs_cuda_torch
 def test_four_processes_first_call_together(tmp_path):
     procs = first_call_processes(4, tmp_path)
     outputs = [p.communicate(timeout=900) for p in procs]
@@ -1951,6 +1989,7 @@ def test_four_processes_first_call_together(tmp_path):
     assert sum(err.count("compiling the entry library") for _, err in outputs) == 1
 
 
+@needs_cuda_torch
 def test_killed_build_does_not_block_the_next(tmp_path):
     import signal
     import time
@@ -1992,6 +2031,7 @@ def test_gpu_first_call_builds_the_entry_and_its_unit_at_once(tmp_path, shape, d
         assert "compiling the %s kernels (first use" % unit not in run.stderr
 
 
+@needs_cuda_torch
 def test_builder_builds_the_unit_load_unit_then_loads(tmp_path):
     """The builder, given a first call's shape, builds the plan library and the unit its plan names,
     under the names load_unit uses (no second build); for the harness shape, the plan library only."""
@@ -2164,6 +2204,114 @@ def test_gpu_double_backward_raises_on_every_backward_plan(name, monkeypatch):
         (dq,) = torch.autograd.grad(gqa_module.causal_gqa_attention(*leaves), leaves[:1], grad_out, create_graph=True)
         with pytest.raises(RuntimeError, match="double backward is not supported"):
             torch.autograd.grad(dq.float().sum(), leaves[target])
+# ------------------------------------------------------------------------------------------------
+# Backward with Inf and NaN: every plan hands such a call to the row-wise kernels
+# (kernels/backward/backward.cu), whose header states the rule: dS = P (dP - delta) with autograd's
+# delta = rowsum(P dP) where dO . o is not finite, so NaN, +Inf and -Inf land as in float64 autograd.
+def rowwise_backward_emulation(q, k, v, o, grad_out):
+    """backward.cu's query_row and key_row on the CPU in float32, vectorised over rows, with each
+    Inf- or NaN-making step as the kernels take it (sums in another order: a sum's kind, NaN, +-Inf
+    or finite, is the same in any order). Returns dq, dk, dv."""
+    q, k, v, o, do = (t.float() for t in (q, k, v, o, grad_out))
+    B, T, Hq, D = q.shape
+    G = Hq // k.shape[2]
+    scale, scale_log2 = 1 / math.sqrt(D), 1.4426950408889634 / math.sqrt(D)
+    kx, vx, rows = k.repeat_interleave(G, 2), v.repeat_interleave(G, 2), torch.arange(T).view(1, T, 1)
+
+    def key(j):   # every query row's score (log2 units) and dp against key j, its k row, and who attends
+        kj = kx[:, j:j + 1]
+        return (q * kj).sum(-1) * scale_log2, (do * vx[:, j:j + 1]).sum(-1), kj, rows >= j
+
+    delta, m, l, acc = (do * o).sum(-1), torch.full(q.shape[:3], -math.inf), torch.zeros(q.shape[:3]), torch.zeros(q.shape)
+    for j in range(T):   # kernel 1: the online softmax, dQ rescaled as the maximum grows
+        s2, dp, kj, on = key(j)
+        grow, r = on & (s2 > m), torch.exp2(m - s2)
+        l, acc, m = torch.where(grow, l * r, l), torch.where(grow[..., None], acc * r[..., None], acc), torch.where(grow, s2, m)
+        w = torch.where(on & (s2 != -math.inf), torch.exp2(s2 - m), 0.0)
+        l = l + w
+        acc = torch.where(on[..., None], acc + (w * (dp - delta))[..., None] * kj, acc)
+    dq, lse2, redo = acc * (scale / l)[..., None], m + torch.log2(l), ~torch.isfinite(delta)
+    delta2, acc = torch.zeros_like(delta), torch.zeros(q.shape)
+    for j in range(T):   # rows whose dO . o is not finite: delta = sum_j p_j dp_j, then dQ again
+        s2, dp, _, on = key(j)
+        delta2 = torch.where(on, delta2 + torch.exp2(s2 - lse2) * dp, delta2)
+    for j in range(T):
+        s2, dp, kj, on = key(j)
+        acc = torch.where(on[..., None], acc + (torch.exp2(s2 - lse2) * (dp - delta2))[..., None] * kj, acc)
+    dq, delta = torch.where(redo[..., None], acc * scale, dq), torch.where(redo, delta2, delta)
+    dk, dv = torch.zeros(k.shape), torch.zeros(v.shape)
+    by_group = [x.unflatten(2, (-1, G)) for x in (q, do, lse2, delta)]   # [B, T, Hkv, G(, D)]
+    for i in range(T):   # kernel 2: key rows j <= i, query rows in order (i, then the group's heads)
+        for g in range(G):
+            qi, doi, li, di = (x[:, i:i + 1, :, g] for x in by_group)
+            prob = torch.exp2((qi * k).sum(-1) * scale_log2 - li)
+            ds = prob * ((doi * v).sum(-1) - di)
+            on = (rows <= i)[..., None]
+            dv, dk = torch.where(on, dv + prob[..., None] * doi, dv), torch.where(on, dk + ds[..., None] * qi, dk)
+    return dq, dk * scale, dv
+
+
+NONFINITE_INJECTIONS = 15   # NaN, +Inf, -Inf at each of 5 times
+
+
+def inject_one_per_batch(x, T, rng):
+    """NaN, +Inf and -Inf at times 0, 37, 63, 64 and T - 1 of x (q, k, v or grad_out: B >= 15), one
+    a batch (so they never meet), at a head and channel from rng (batch 0: channel 0). Returns labels."""
+    labels = []
+    for b, (value, t) in enumerate(itertools.product((NAN, INF, -INF), (0, 37, 63, 64, T - 1))):
+        h, d = rng.randrange(x.shape[2]), 0 if b == 0 else rng.randrange(x.shape[3])
+        x[b, t, h, d] = value
+        labels.append("b%d: %s at (t %d, h %d, d %d)" % (b, value, t, h, d))
+    return labels
+
+
+def assert_grads_like_reference(got, ref, what, finite_check):
+    """NaN, +Inf and -Inf at exactly the reference's elements of dq, dk and dv; finite_check(a, b) on
+    the finite ones."""
+    for grad_name, a, b in zip(("dq", "dk", "dv"), got, ref):
+        for kind, test in (("NaN", torch.isnan), ("+Inf", torch.isposinf), ("-Inf", torch.isneginf)):
+            off = test(a) != test(b)
+            assert not off.any(), "%s %s: %s differs from the reference at %d elements, first (b, t, h, d) %s" % (
+                what, grad_name, kind, int(off.sum()), off.nonzero()[:4].tolist())
+        finite = torch.isfinite(b)
+        if finite.any():
+            assert finite_check(a[finite], b[finite]), (what, grad_name)
+
+
+def test_backward_nonfinite_rule_worked_example():
+    """backward.cu's worked example (T = 2, D = 1): row 1 with p = (3/4, 1/4), v = (1, -1) and
+    dO_1 = +Inf. dO_1 . o_1 = +Inf would give dS_1 = (NaN, -Inf) and dK_1 = -Inf; autograd's delta
+    = sum_j p_j dP_j is NaN, so float64 autograd's dK is NaN at both keys, and so is the emulation's."""
+    q = torch.tensor([1.0, 1.0]).view(1, 2, 1, 1)
+    k = torch.tensor([math.log(3), 0.0]).view(1, 2, 1, 1)
+    v = torch.tensor([1.0, -1.0]).view(1, 2, 1, 1)
+    grad_out = torch.tensor([1.0, INF]).view(1, 2, 1, 1)
+    p, dp = torch.tensor([0.75, 0.25]), grad_out[0, 1, 0, 0] * v.view(2)
+    by_o = p * (dp - grad_out[0, 1, 0, 0] * (p @ v.view(2)))
+    assert torch.isnan(by_o[0]) and torch.isneginf(by_o[1])
+    ref = reference_grads(q, k, v, grad_out)
+    assert torch.isnan(ref[1]).all() and torch.isnan(ref[0][0, 1]).all() and torch.isfinite(ref[0][0, 0]).all()
+    assert torch.isposinf(ref[2]).all()
+    o = reference.causal_gqa_reference(q, k, v)
+    assert_grads_like_reference(rowwise_backward_emulation(q, k, v, o, grad_out), ref, "worked example",
+                                lambda a, b: torch.allclose(a.double(), b, atol=1e-5))
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v", "grad_out"])
+def test_rowwise_backward_emulation_nonfinite_like_reference(which):
+    """The row-wise kernels' arithmetic (rowwise_backward_emulation, fp32 on the CPU) with NaN, +Inf
+    and -Inf alone in `which` at times 0, 37, 63, 64 and T - 1, one a batch: dq, dk and dv NaN,
+    +Inf and -Inf at exactly float64 autograd's elements (reference_grads), allclose 1e-4 elsewhere.
+    o is the float64 forward's in fp32, whose NaN and +-Inf every forward plan gives
+    (test_gpu_every_plan_nonfinite_like_reference)."""
+    B, T, Hq, Hkv, D = NONFINITE_INJECTIONS, 100, 4, 2, 16
+    q, k, v = make_qkv(B, T, Hq, Hkv, D)
+    grad_out = torch.randn_like(q)
+    labels = inject_one_per_batch(dict(q=q, k=k, v=v, grad_out=grad_out)[which], T, random.Random(seed_of("inject", which)))
+    o = reference.causal_gqa_reference(q, k, v).float()
+    assert_grads_like_reference(rowwise_backward_emulation(q, k, v, o, grad_out), reference_grads(q, k, v, grad_out),
+                                "%s [%s]" % (which, "; ".join(labels)),
+                                lambda a, b: torch.allclose(a.double(), b, rtol=1e-4, atol=1e-4))
 
 
 def test_backward_plans_list_is_every_backward_plan():
@@ -2171,6 +2319,36 @@ def test_backward_plans_list_is_every_backward_plan():
     build (the row-wise kernels in three dtypes, the x3 unit at 64 and 128, mma.sync and wgmma in 16
     bits, and the fused kernel)."""
     assert sorted(BACKWARD_PLAN_CASES) == sorted(_load_sanitize().BACKWARD_PLANS) and len(BACKWARD_PLAN_CASES) == 19
+
+@needs_gpu
+@pytest.mark.parametrize("name", list(BACKWARD_PLAN_CASES))
+def test_gpu_backward_nonfinite_masks_every_plan(name, monkeypatch):
+    """Each backward plan (asserted through backward_plan), with NaN, +Inf and -Inf alone in q, k, v
+    or grad_out (one call each) at times 0, 37, 63, 64 and T - 1, one a batch, at a seeded head and
+    channel: dq, dk and dv NaN, +Inf and -Inf at exactly float64 autograd's elements, the rule of
+    backward.cu's header; the finite ones within fp32's 1e-4 or 16-bit's 2e-2 norm-relative."""
+    family, dtype_name = name.split("/")[:2]
+    D = int(name.split("/")[2][1:]) if family != "backward" else 40
+    T = 100 if family in ("backward", "bwdmma") else 130
+    if family in ("bwdwg", "bwdx3") and tensor_core_backward(T, D) != "bwdwg":
+        pytest.skip("the wgmma and x3 units run on an H100 or H200 with an sm_90a build")
+    if name.endswith("/fused"):
+        monkeypatch.setenv("GQA_FUSED_BACKWARD_MIN_T", "129")
+    else:
+        monkeypatch.delenv("GQA_FUSED_BACKWARD_MIN_T", raising=False)
+    dtype = DTYPES[dtype_name]
+    rng = random.Random(seed_of("nonfinite backward", name))
+    for which in ("q", "k", "v", "grad_out"):
+        q, k, v = make_qkv(NONFINITE_INJECTIONS, T, 2, 1, D, device="cuda", dtype=dtype)
+        assert gqa_module.backward_plan(q, k, v) == name
+        grad_out = torch.randn_like(q)
+        labels = inject_one_per_batch(dict(q=q, k=k, v=v, grad_out=grad_out)[which], T, rng)
+        if dtype == torch.float32:
+            close = lambda a, b: torch.allclose(a.double(), b, rtol=1e-4, atol=1e-4)
+        else:
+            close = lambda a, b: rel_err(a, b) <= 2e-2
+        assert_grads_like_reference(project_grads(q, k, v, grad_out), reference_grads(q, k, v, grad_out),
+                                    "%s, %s [%s]" % (name, which, "; ".join(labels)), close)
 
 
 BACKWARD_GRID = [(B, T, Hq, Hkv, D) for B, T in ((2, 1), (1, 63), (2, 65), (1, 1000))
@@ -2665,6 +2843,7 @@ def test_sanitizer_gradient_check_catches_wrong_gradients():
     assert not sanitize.check_grads([exact[0] * 1.01] + exact[1:], exact, "fp32", False)[0]
 
 
+@needs_cuda_torch
 def test_sanitizer_cases_take_their_plans_and_cover_every_plan():
     """Each case of bench/sanitize.py takes its declared plan on an H200 (plan_for's defaults), the
     declared plans are exactly all_plans(), the backward runs in every dtype, and every plan also

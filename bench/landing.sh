@@ -37,10 +37,12 @@ tests)
         kb_pid=$!
     fi
     workers=()
-    python3 -c "import xdist" 2>/dev/null && workers=(-n 4)
-    timeout 500 python3 -m pytest -q -rs -p no:cacheprovider --durations=30 "${workers[@]}" test_gqa.py >"$out/gpu_tests.log" 2>&1
+    python3 -c "import xdist" 2>/dev/null && workers=(-n "${PYTEST_WORKERS:-6}")
+    # SIGINT at the limit, so that pytest still prints its summary (the failures' names)
+    timeout -s INT -k 20 "${PYTEST_LIMIT:-500}" python3 -m pytest -q -rfs -p no:cacheprovider --durations=30 \
+        "${workers[@]}" test_gqa.py >"$out/gpu_tests.log" 2>&1
     echo "pytest exit $?"
-    tail -15 "$out/gpu_tests.log"
+    grep -v -e PytestBenchmarkWarning -e 'warner(' "$out/gpu_tests.log" | tail -45
     [ -n "$kb_pid" ] && wait "$kb_pid" && tail -2 "$out/kb.log"
     tail -3 "$san_log"
     ;;

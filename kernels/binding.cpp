@@ -1,6 +1,6 @@
-// The PyTorch-facing side: the op schema, input validation (the one copy of the rules, for CPU
-// inputs too), the device guard and the launch on the current stream. The kernels see only
-// GqaParams (gqa_params.h).
+// The PyTorch-facing side: the op schema, input validation (checks.h: the one copy of the rules,
+// which the CPU library shares), the device guard and the launch on the current stream. The
+// kernels see only GqaParams (gqa_params.h).
 //
 // Only light headers are included (no torch/extension.h, no pybind11): the library registers
 // its ops with TORCH_LIBRARY and Python reaches them through torch.ops.gqa_attn.
@@ -21,63 +21,9 @@
 #include <tuple>
 #include <vector>
 
-#include "gqa_params.h"
+#include "checks.h"
 
 namespace {
-
-#define GQA_CHECK_ARG(cond, ...) TORCH_CHECK_VALUE(cond, "causal_gqa_attention: ", __VA_ARGS__)
-
-// Numbers in messages are formatted with std::to_string, never with an ostream: on the H200 test
-// machine, formatting an integer through a std::ostringstream in this library crashed the process
-// (segmentation fault) instead of raising, while string and dtype pieces were fine.
-std::string num(int64_t x) { return std::to_string(x); }
-std::string dims(at::IntArrayRef sizes) {
-    std::string s = "[";
-    for (size_t i = 0; i < sizes.size(); ++i) s += (i ? ", " : "") + std::to_string(sizes[i]);
-    return s + "]";
-}
-
-int dtype_code(c10::ScalarType t) {
-    switch (t) {
-        case c10::ScalarType::Float: return kGqaFloat32;
-        case c10::ScalarType::Half: return kGqaFloat16;
-        case c10::ScalarType::BFloat16: return kGqaBFloat16;
-        default: return -1;
-    }
-}
-
-// The rules, in the order a user would want to hear about them. Each message names the argument.
-void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-    GQA_CHECK_ARG(q.dim() == 4, "q must be 4-D [B, T, Hq, D], got a ", num(q.dim()), "-D tensor");
-    GQA_CHECK_ARG(k.dim() == 4, "k must be 4-D [B, T, Hkv, D], got a ", num(k.dim()), "-D tensor");
-    GQA_CHECK_ARG(v.dim() == 4, "v must be 4-D [B, T, Hkv, D], got a ", num(v.dim()), "-D tensor");
-    GQA_CHECK_ARG(k.sizes() == v.sizes(), "k and v must have the same shape, got k ", dims(k.sizes()), " and v ",
-                  dims(v.sizes()));
-    GQA_CHECK_ARG(k.size(0) == q.size(0), "k must have q's batch size B (dim 0): q has ", num(q.size(0)),
-                  ", k has ", num(k.size(0)));
-    GQA_CHECK_ARG(k.size(1) == q.size(1), "k must have q's sequence length T (dim 1): q has ", num(q.size(1)),
-                  ", k has ", num(k.size(1)));
-    GQA_CHECK_ARG(k.size(3) == q.size(3), "k must have q's head_dim D (dim 3): q has ", num(q.size(3)),
-                  ", k has ", num(k.size(3)));
-    GQA_CHECK_ARG(k.size(2) >= 1, "k must have at least one kv head (dim 2), got ", num(k.size(2)));
-    GQA_CHECK_ARG(q.size(2) % k.size(2) == 0, "q's head count Hq (dim 2, ", num(q.size(2)),
-                  ") must be a multiple of k's head count Hkv (dim 2, ", num(k.size(2)), ")");
-    GQA_CHECK_ARG(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
-                  "q, k and v must share one dtype, got q ", c10::toString(q.scalar_type()), ", k ",
-                  c10::toString(k.scalar_type()), ", v ", c10::toString(v.scalar_type()));
-    GQA_CHECK_ARG(dtype_code(q.scalar_type()) >= 0, "q has unsupported dtype ", c10::toString(q.scalar_type()),
-                  ": expected float32, float16 or bfloat16");
-    GQA_CHECK_ARG(q.device() == k.device() && q.device() == v.device(),
-                  "q, k and v must be on the same device, got q ", q.device().str(), ", k ", k.device().str(),
-                  ", v ", v.device().str());
-    GQA_CHECK_ARG(q.size(3) >= 1 && q.size(3) <= kGqaMaxHeadDim, "head_dim D (q.shape[3]) must be in 1..",
-                  num(kGqaMaxHeadDim), ", got ", num(q.size(3)));
-    GQA_CHECK_ARG(q.size(2) == 0 || (q.size(1) <= INT32_MAX / q.size(2) && q.size(0) <= INT32_MAX),
-                  "q is too large: B and T * Hq must each fit in 32 bits");
-}
-
-// check_inputs as an op, for inputs that PyTorch runs (any device).
-void check_inputs_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) { check_inputs(q, k, v); }
 
 // A view whose last dim is contiguous is used as it is; anything else is copied once.
 at::Tensor with_unit_last_stride(const at::Tensor& t) { return t.stride(3) == 1 ? t : t.contiguous(); }
@@ -104,7 +50,7 @@ GqaParams params_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     p.B = int(q.size(0)), p.T = int(q.size(1)), p.Hq = int(q.size(2)), p.Hkv = int(k.size(2)), p.D = int(q.size(3));
     p.group = p.Hkv > 0 ? p.Hq / p.Hkv : 1;
     p.scale_log2 = float(1.4426950408889634 / std::sqrt(double(p.D)));
-    p.dtype = dtype_code(q.scalar_type());
+    p.dtype = gqa_dtype_code(q.scalar_type());
     p.tf32_single = q.scalar_type() == c10::ScalarType::Float && at::globalContext().allowTF32CuBLAS();
     p.vec16 = rows_16b_aligned(q) && rows_16b_aligned(k) && rows_16b_aligned(v);
     return p;
@@ -122,11 +68,11 @@ GqaDevice current_device() {
 std::string plan_name(const GqaPlan& plan) {
     std::string s = std::string(gqa_family_name(plan.family)) + "/" + gqa_dtype_name(plan.dtype) + "/";
     if (plan.family == kGqaRowwise) {
-        s += num(plan.warps) + "x" + num(plan.split) + (plan.planned ? "-planned" : "");
+        s += gqa_num(plan.warps) + "x" + gqa_num(plan.split) + (plan.planned ? "-planned" : "");
     } else {
-        s += "d" + num(plan.width) + (plan.split > 1 ? "-split" + num(plan.split) : "");
+        s += "d" + gqa_num(plan.width) + (plan.split > 1 ? "-split" + gqa_num(plan.split) : "");
         if (plan.family == kGqaWgmma && plan.warps != 4 * (1 + gqa_ws_consumers(plan.width))) {
-            s += "-rows" + num(16 * (plan.warps - 4));
+            s += "-rows" + gqa_num(16 * (plan.warps - 4));
         }
     }
     return s;
@@ -137,7 +83,7 @@ struct KernelInputs {
     at::Tensor q, k, v;
 };
 KernelInputs kernel_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-    check_inputs(q, k, v);
+    gqa_check_inputs(q, k, v);
     return {with_unit_last_stride(q), with_unit_last_stride(k), with_unit_last_stride(v)};
 }
 
@@ -180,7 +126,7 @@ at::Tensor causal_attention_cuda(const at::Tensor& q, const at::Tensor& k, const
 // where the plan keeps none; the backward then computes it).
 std::tuple<at::Tensor, at::Tensor> causal_attention_trainable_cuda(const at::Tensor& q, const at::Tensor& k,
                                                                    const at::Tensor& v) {
-    check_inputs(q, k, v);
+    gqa_check_inputs(q, k, v);
     at::Tensor lse2 = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(c10::ScalarType::Float));
     return {forward_cuda(q, k, v, lse2), lse2};
 }
@@ -197,11 +143,11 @@ std::string plan_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::
 std::string plan_for(int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, c10::ScalarType dtype,
                      bool aligned, bool allow_tf32, int64_t sm_count, int64_t cc_major) {
     GQA_CHECK_ARG(B >= 1 && T >= 1 && Hkv >= 1 && Hq >= 1, "plan_for needs B, T, Hq and Hkv of at least 1");
-    GQA_CHECK_ARG(Hq % Hkv == 0, "q's head count Hq (", num(Hq), ") must be a multiple of Hkv (", num(Hkv), ")");
-    GQA_CHECK_ARG(D >= 1 && D <= kGqaMaxHeadDim, "head_dim D must be in 1..", num(kGqaMaxHeadDim), ", got ", num(D));
-    GQA_CHECK_ARG(dtype_code(dtype) >= 0, "unsupported dtype ", c10::toString(dtype), ": expected float32, float16 or bfloat16");
-    GQA_CHECK_ARG(sm_count >= 1, "sm_count must be at least 1, got ", num(sm_count));
-    const GqaParams p = gqa_shape_params(int(B), int(T), int(Hq), int(Hkv), int(D), dtype_code(dtype), aligned, allow_tf32);
+    GQA_CHECK_ARG(Hq % Hkv == 0, "q's head count Hq (", gqa_num(Hq), ") must be a multiple of Hkv (", gqa_num(Hkv), ")");
+    GQA_CHECK_ARG(D >= 1 && D <= kGqaMaxHeadDim, "head_dim D must be in 1..", gqa_num(kGqaMaxHeadDim), ", got ", gqa_num(D));
+    GQA_CHECK_ARG(gqa_dtype_code(dtype) >= 0, "unsupported dtype ", c10::toString(dtype), ": expected float32, float16 or bfloat16");
+    GQA_CHECK_ARG(sm_count >= 1, "sm_count must be at least 1, got ", gqa_num(sm_count));
+    const GqaParams p = gqa_shape_params(int(B), int(T), int(Hq), int(Hkv), int(D), gqa_dtype_code(dtype), aligned, allow_tf32);
     GqaDevice dev{};
     dev.sm_count = int(sm_count), dev.cc_major = int(cc_major);
     return plan_name(gqa_make_plan(p, dev));
@@ -222,7 +168,7 @@ std::vector<std::string> all_plans() {
 
 // The read floor for benchmarks: allocate o, read q, k and v once, write o = q.
 at::Tensor read_floor_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in) {
-    check_inputs(q_in, k_in, v_in);
+    gqa_check_inputs(q_in, k_in, v_in);
     const c10::cuda::CUDAGuard device_guard(q_in.device());
     const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
     at::Tensor out = at::empty(q.sizes(), q.options());
@@ -248,7 +194,7 @@ GqaBwdParams backward_params_of(const at::Tensor& q, const at::Tensor& k) {
     p.group = p.Hq / p.Hkv;
     p.scale = float(1.0 / std::sqrt(double(p.D)));
     p.scale_log2 = float(1.4426950408889634 / std::sqrt(double(p.D)));
-    p.dtype = dtype_code(q.scalar_type());
+    p.dtype = gqa_dtype_code(q.scalar_type());
     p.fused = gqa_backward_fused(p);
     return p;
 }
@@ -270,10 +216,10 @@ bool forward_keeps_lse2(const at::Tensor& q, const at::Tensor& k, const at::Tens
 std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward_cuda(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out_in,
     const at::Tensor& grad_in, const at::Tensor& lse2_in) {
-    check_inputs(q_in, k_in, v_in);
+    gqa_check_inputs(q_in, k_in, v_in);
     GQA_CHECK_ARG(out_in.sizes() == q_in.sizes() && grad_in.sizes() == q_in.sizes(),
-                  "backward: out and grad_out must have q's shape ", dims(q_in.sizes()), ", got out ",
-                  dims(out_in.sizes()), " and grad_out ", dims(grad_in.sizes()));
+                  "backward: out and grad_out must have q's shape ", gqa_dims(q_in.sizes()), ", got out ",
+                  gqa_dims(out_in.sizes()), " and grad_out ", gqa_dims(grad_in.sizes()));
     GQA_CHECK_ARG(out_in.scalar_type() == q_in.scalar_type() && grad_in.scalar_type() == q_in.scalar_type(),
                   "backward: out and grad_out must have q's dtype ", c10::toString(q_in.scalar_type()), ", got out ",
                   c10::toString(out_in.scalar_type()), " and grad_out ", c10::toString(grad_in.scalar_type()));
@@ -283,8 +229,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward_cuda(
                       (lse2_in.scalar_type() == c10::ScalarType::Float && lse2_in.device() == q_in.device() &&
                        lse2_in.dim() == 3 && lse2_in.size(0) == q_in.size(0) && lse2_in.size(1) == q_in.size(1) &&
                        lse2_in.size(2) == q_in.size(2)),
-                  "backward: lse2 must be empty or float32 (B, T, Hq) ", dims(q_in.sizes().slice(0, 3)),
-                  " on q's device, got ", c10::toString(lse2_in.scalar_type()), " ", dims(lse2_in.sizes()));
+                  "backward: lse2 must be empty or float32 (B, T, Hq) ", gqa_dims(q_in.sizes().slice(0, 3)),
+                  " on q's device, got ", c10::toString(lse2_in.scalar_type()), " ", gqa_dims(lse2_in.sizes()));
     const c10::cuda::CUDAGuard device_guard(q_in.device());
     // The tensor-core kernels read 16-byte vectors: a contiguous tensor that starts off 16 bytes
     // (a view at an odd offset) is copied once, O(T) against the backward's O(T^2).
@@ -323,7 +269,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward_cuda(
 
 // Which backward kernels a call with these inputs runs.
 std::string backward_plan_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-    check_inputs(q, k, v);
+    gqa_check_inputs(q, k, v);
     const c10::cuda::CUDAGuard device_guard(q.device());   // the plan reads the current device's facts
     return gqa_backward_plan(backward_params_of(q, k));
 }
@@ -360,7 +306,6 @@ TORCH_LIBRARY(gqa_attn, m) {
     m.def("plan_for(int B, int T, int Hq, int Hkv, int D, ScalarType dtype, bool aligned, bool allow_tf32, "
           "int sm_count, int cc_major) -> str", &plan_for);
     m.def("all_plans() -> str[]", &all_plans);
-    m.def("check_inputs(Tensor q, Tensor k, Tensor v) -> ()", &check_inputs_op);
     m.def("_set_module_loader(int address) -> ()", &set_module_loader);
     m.def("_load_every_plan() -> int", &load_every_plan);
 }

@@ -10,15 +10,31 @@
 // Two kernels, one warp per row, each lane holding head-dim elements lane, lane + 32, ...; every
 // sum runs in a fixed order, so results are bitwise equal across runs (no atomics):
 //   1. query rows: delta_i, then one pass over the keys with an online softmax that also carries
-//      dQ (rescaled when the running maximum grows, divided by the row's sum at the end); writes
-//      dQ and the row's log-sum-exp and delta for kernel 2. No forward statistics are needed, so
-//      the forward keeps nothing when no backward follows.
+//      dQ (rescaled when the running maximum grows, divided by the row's sum at the end; two more
+//      passes where delta_i is not finite, below); writes dQ and the row's log-sum-exp and delta
+//      for kernel 2. No forward statistics are needed, so the forward keeps nothing when no
+//      backward follows.
 //   2. key rows (batch, time, kv head): every query row at or after the key, in the G heads of the
 //      group, recomputes p_ij from the stored log-sum-exp and adds into dK and dV.
 // Plain FMA, no tensor cores: fp32 inputs, and 16-bit ones at head dims without a tensor-core unit
-// (bwdmma/: fp16 and bf16 at 64 and 128), whose reference it also is in the tests. Inf and NaN
-// flow through the same arithmetic as the definition, so they reach the gradients the float64
-// reference gives them.
+// (bwdmma/: fp16 and bf16 at 64 and 128), whose reference it also is in the tests; and, on every
+// plan, the whole call when q, k, v, o or dO holds Inf or NaN (attention.cu).
+//
+// Inf and NaN: NaN, +Inf and -Inf land where float64 autograd of the definition puts them. Every
+// sum's kind (NaN, +-Inf or finite) is the same in any order: NaN if a term is NaN or +Inf and -Inf
+// both occur, else the Inf's sign. What does depend on the formula is which Inf - Inf is formed:
+// dO_i . o_i and autograd's sum_j p_ij dp_ij are equal numbers but not equal Infs. The rule: dS is
+// autograd's, dS_ij = p_ij (dp_ij - delta_i) with delta_i = sum_j p_ij dp_ij (softmax's backward,
+// dp_ij = dO_i . v_j), taken where dO_i . o_i is not finite (kernel 1 then makes a second and a
+// third pass over the row's keys: delta, then dQ from p_ij = 2^(s2_ij - lse2_i)); elsewhere the two
+// are the same finite number and dO_i . o_i serves. A worked example, T = 2, D = 1, row 1 with
+// p_1 = (3/4, 1/4), v = (1, -1), so o_1 = 1/2, and dO_1 = +Inf:
+//   dp_1 = (+Inf, -Inf). dO_1 . o_1 = +Inf would give dS_1 = (3/4 (Inf - Inf), 1/4 (-Inf - Inf))
+//   = (NaN, -Inf); autograd's delta_1 = 3/4 Inf + 1/4 (-Inf) = NaN gives dS_1 = (NaN, NaN), as
+//   here. With v = (1, 2): dp_1 = (+Inf, +Inf), delta_1 = +Inf either way, dS_1 = (NaN, NaN).
+// So a row whose dO holds Inf has dS NaN at every key it attends (a one-key row too: dp - dp),
+// and dK of those keys is NaN, never +-Inf, as in the reference. fp32 sums can still overflow to
+// +-Inf where float64's do not (finite inputs near fp32's range); that is the one difference.
 
 #include "common/base.cuh"
 
@@ -89,19 +105,23 @@ __device__ __forceinline__ void query_row(const GqaBwdParams& p, const WarpRow& 
     load_row(q, static_cast<const Elem*>(p.q) + rd, p.D, lane, bf16);
     load_row(dout, static_cast<const Elem*>(p.dout) + rd, p.D, lane, bf16);
     load_row(x, static_cast<const Elem*>(p.o) + rd, p.D, lane, bf16);
-    const float delta = dot(dout, x);
+    float delta = dot(dout, x);
 #pragma unroll
     for (int e = 0; e < kBwdLaneElems; ++e) acc[e] = 0.f;
 
-    // Scores in log2 units: s2 = s * log2(e). m: running maximum, l: running sum of 2^(s2 - m);
-    // acc: sum of 2^(s2 - m) (dO . v_j - delta) k_j.
-    float m = -INFINITY, l = 0.f;
-    for (int j = 0; j <= t; ++j) {
+    // Key j's row of k into x and of v into y; its score s2 (log2 units) and dp = dO . v_j.
+    auto key = [&](int j, float& s2, float& dp) {
         const int64_t kd = ((b * p.T + j) * p.Hkv + kv_head) * p.D;
         load_row(x, static_cast<const Elem*>(p.k) + kd, p.D, lane, bf16);
         load_row(y, static_cast<const Elem*>(p.v) + kd, p.D, lane, bf16);
-        const float s2 = dot(q, x) * p.scale_log2;
-        const float dp = dot(dout, y);
+        s2 = dot(q, x) * p.scale_log2;
+        dp = dot(dout, y);
+    };
+    // Scores in log2 units: s2 = s * log2(e). m: running maximum, l: running sum of 2^(s2 - m);
+    // acc: sum of 2^(s2 - m) (dO . v_j - delta) k_j.
+    float m = -INFINITY, l = 0.f, s2, dp;
+    for (int j = 0; j <= t; ++j) {
+        key(j, s2, dp);
         if (s2 > m) {
             const float r = exp2f(m - s2);
             l *= r;
@@ -115,9 +135,29 @@ __device__ __forceinline__ void query_row(const GqaBwdParams& p, const WarpRow& 
 #pragma unroll
         for (int e = 0; e < kBwdLaneElems; ++e) acc[e] = fmaf(ds, x[e], acc[e]);
     }
-    store_row(static_cast<Elem*>(p.dq) + rd, acc, p.scale / l, p.D, lane, bf16);
+    const float lse2 = m + log2f(l);
+    float dq_scale = p.scale / l;
+    // dO . o not finite (the same in every lane): delta and dQ again as autograd forms them (the
+    // header's rule), delta = sum_j p_j dp_j, then dS_j = p_j (dp_j - delta), p_j = 2^(s2 - lse2).
+    if (!isfinite(delta)) {
+        delta = 0.f;
+        for (int j = 0; j <= t; ++j) {
+            key(j, s2, dp);
+            delta = fmaf(exp2f(s2 - lse2), dp, delta);
+        }
+#pragma unroll
+        for (int e = 0; e < kBwdLaneElems; ++e) acc[e] = 0.f;
+        for (int j = 0; j <= t; ++j) {
+            key(j, s2, dp);
+            const float ds = exp2f(s2 - lse2) * (dp - delta);
+#pragma unroll
+            for (int e = 0; e < kBwdLaneElems; ++e) acc[e] = fmaf(ds, x[e], acc[e]);
+        }
+        dq_scale = p.scale;
+    }
+    store_row(static_cast<Elem*>(p.dq) + rd, acc, dq_scale, p.D, lane, bf16);
     if (lane == 0) {
-        p.lse2[row] = m + log2f(l);
+        p.lse2[row] = lse2;
         p.delta[row] = delta;
     }
 }
@@ -162,8 +202,10 @@ __device__ __forceinline__ void key_row(const GqaBwdParams& p, const WarpRow& w)
 // (p.rows_if_nonfinite, kLoop), a grid of a few CTAs per SM walking the units, so that on finite
 // inputs, where every CTA returns at once, the launch costs microseconds whatever the size (a CTA
 // per unit measured 48 us at (1, 8192, 32, 8, 128); bench/NOTES.md v49).
+// Four CTAs per SM (at most 64 registers): the non-finite rows' passes moved ptxas to 70-80 in
+// three of the four kernels (64 before them), with 0 spills at 64.
 template <typename Elem, bool kLoop>
-__global__ void __launch_bounds__(32 * kBwdWarps) gqa_bwd_query_kernel(const GqaBwdParams p) {
+__global__ void __launch_bounds__(32 * kBwdWarps, 4) gqa_bwd_query_kernel(const GqaBwdParams p) {
     if (p.rows_if_nonfinite && *p.nonfinite == 0) return;
     for (int64_t unit = blockIdx.x;; unit += gridDim.x) {
         const WarpRow w = warp_row(p, p.Hq, unit);
