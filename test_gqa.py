@@ -2013,7 +2013,10 @@ def test_killed_build_does_not_block_the_next(tmp_path):
 def test_gpu_first_call_builds_the_entry_and_its_unit_at_once(tmp_path, shape, dtype, unit):
     """A first call in a fresh process builds the entry library and, beside it in the builder,
     the plan library and the unit the call runs, each once; at the harness shape no unit (the short
-    family is compiled into the entry library)."""
+    family is compiled into the entry library). The unit is built by whichever process takes its
+    lock first: the builder runs at a lower priority, so on a busy machine the caller, done with
+    the entry library, may get there first (test_builder_builds_the_unit_load_unit_then_loads
+    covers the builder's own build)."""
     code = ("import sys, torch, gqa_module\n"
             "B, T, Hq, Hkv, D = %r\n"
             "q, k, v = (torch.randn(B, T, H, D, device='cuda', dtype=torch.%s) for H in (Hq, Hkv, Hkv))\n"
@@ -2027,8 +2030,7 @@ def test_gpu_first_call_builds_the_entry_and_its_unit_at_once(tmp_path, shape, d
     assert len(built) == (3 if unit else 2) and sum(d.endswith("_plan") for d in built) == 1, built
     assert run.stderr.count("compiling the entry library") == 1, run.stderr[-3000:]
     if unit:
-        assert run.stderr.count("compiling the %s kernels beside the entry library" % unit) == 1, run.stderr[-3000:]
-        assert "compiling the %s kernels (first use" % unit not in run.stderr
+        assert run.stderr.count("compiling the %s kernels" % unit) == 1, run.stderr[-3000:]
 
 
 @needs_cuda_torch
