@@ -660,11 +660,11 @@ def _not_on_cuda(q, k, v, run=True):
 
 # ------------------------------------------------------------------------------------------------
 # The public entry points
-def _require_tensors(q, k, v):
+def _require_tensors(q, k, v, entry="causal_gqa_attention"):
     """A TypeError naming the first of q, k and v that is not a torch.Tensor."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
-            raise TypeError("causal_gqa_attention: %s must be a torch.Tensor, got %s" % (name, type(x).__name__))
+            raise TypeError("%s: %s must be a torch.Tensor, got %s" % (entry, name, type(x).__name__))
 
 
 def _on_cuda(q, k, v):
@@ -698,6 +698,38 @@ def causal_gqa_attention(q, k, v):
         op = _FORWARD if _FORWARD is not None else _forward_op()
         return op(q, k, v)
     return _not_on_cuda(q, k, v)
+
+
+# bundle: begin general-entry
+def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False):
+    """Attention with FlashAttention's arguments and meanings (gqa_geometry.py states them): q
+    [B, Tq, Hq, D], k and v [B, Tk, Hkv, D] -> out [B, Tq, Hq, D] in q's dtype, or (out, lse [B,
+    Hq, Tq]) with return_lse=True. causal defaults to False, as flash_attn_func's does.
+
+    In this version Tq must equal Tk. CPU tensors run every other option through PyTorch
+    (differentiable, the log-sum-exp too). CUDA tensors run the kernels of causal_gqa_attention:
+    causal attention (causal=True, or a window that equals it) with the default softmax_scale
+    (within float32 rounding), no softcap and no log-sum-exp output; any other option raises a
+    NotImplementedError naming it. The input tensors' rules (kernels/checks.h) speak in
+    causal_gqa_attention's name."""
+    import gqa_geometry
+
+    _require_tensors(q, k, v, "attention")
+    if _on_cuda(q, k, v):
+        if q.dim() == 4 and k.dim() == 4:
+            geo = gqa_geometry.arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse)
+            gap = gqa_geometry.cuda_gap(geo, q.shape[3])
+            if gap:
+                raise NotImplementedError(
+                    "attention: on CUDA tensors this version runs causal attention with Tq = Tk, the default "
+                    "softmax_scale (1 / sqrt(head_dim)), no softcap and no log-sum-exp output; this call asks "
+                    "for %s. CPU tensors run every option." % gap)
+        return causal_gqa_attention(q, k, v)
+    _not_on_cuda(q, k, v, run=False)
+    geo = gqa_geometry.arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse)
+    out, lse = gqa_geometry.attention_torch(q, k, v, geo)
+    return (out, lse) if return_lse else out
+# bundle: end general-entry
 
 
 def empty_call(q, k, v):
@@ -780,6 +812,10 @@ _BUNDLE_REGIONS = {
         "causal_gqa_attention: q is on %s, and this single-file build of gqa_module runs CUDA tensors "
         "only. For tensors on other devices use gqa_module.py itself (gqa_module.causal_gqa_attention "
         "or gqa_module.ModelNew), which runs them through PyTorch." % q.device)
+''',
+    "general-entry": '''def attention(q, k, v, **options):
+    raise RuntimeError("attention: this single-file build of gqa_module runs causal_gqa_attention and "
+                       "ModelNew only; gqa_module.py (with gqa_geometry.py beside it) has attention.")
 ''',
     "command-line": '''# ------------------------------------------------------------------------------------------------
 # Run as a script (as a harness that precompiles does): build or find the library, and load it.

@@ -488,6 +488,170 @@ def test_cpu_call_prints_no_torch_warning():
 
 
 # ------------------------------------------------------------------------------------------------
+# attention(): FlashAttention's arguments (gqa_geometry.py), against reference.attention_ref
+import gqa_geometry  # noqa: E402
+
+# (causal, window_size, softmax_scale, softcap)
+MASKS = [(True, (-1, -1), None, 0.0), (False, (-1, -1), None, 0.0), (False, (16, 0), 0.3, 0.0),
+         (True, (7, -1), None, 5.0), (False, (5, 9), -0.4, 0.0), (False, (0, 0), None, 1.5),
+         (False, (-1, 3), 2.0, 0.0), (True, (None, None), 0.05, 0.0)]
+# (Tq, Tk): Tq != Tk runs gqa_geometry.attention_torch directly (the public entry takes Tq = Tk in
+# this version); (65, 63) and (100, 1) hold rows that see no key under causal masks
+LENGTHS = [(1, 1), (63, 63), (65, 65), (63, 65), (65, 63), (1, 100), (100, 1), (20, 0)]
+
+
+def masked_qkv(B, Tq, Tk, Hq, Hkv, D, dtype):
+    q = make_qkv(B, Tq, Hq, Hkv, D, dtype=dtype)[0]
+    _, k, v = make_qkv(B, Tk, Hq, Hkv, D, dtype=dtype)
+    return q, k, v
+
+
+def geometry_of(q, k, causal, window, scale, softcap, return_lse=True):
+    return gqa_geometry.arguments(q, k, causal, scale, window, softcap, return_lse)
+
+
+def reference_of(q, k, v, geo):
+    return reference.attention_ref(q, k, v, causal=geo.causal, window=(geo.left, geo.right), scale=geo.scale,
+                                   softcap=geo.softcap)
+
+
+def assert_rows_close(out, lse, ref_out, ref_lse, tol, what):
+    """Row by row: every output row within tol of the float64 row (relative to that row's largest
+    value, and at least tol), the log-sum-exp within tol; rows that see no key exactly 0 and -inf."""
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape, what
+    blind = torch.isneginf(ref_lse)                                   # [B, Hq, Tq]
+    assert torch.equal(torch.isneginf(lse), blind), what
+    assert torch.all(out.permute(0, 2, 1, 3)[blind] == 0), what
+    err = (out.double() - ref_out).abs().amax(dim=-1)                 # [B, Tq, Hq]
+    size = ref_out.abs().amax(dim=-1).clamp_min(1.0)
+    assert torch.all(err <= tol * size), (what, float((err / size).max()))
+    seen = ~blind
+    assert torch.all((lse.double() - ref_lse)[seen].abs() <= tol * ref_lse[seen].abs().clamp_min(1.0)), what
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_attention_cpu_matches_float64_on_every_mask(dtype, tol):
+    """CPU attention against reference.attention_ref for every mask of MASKS at every (Tq, Tk) of
+    LENGTHS (odd head_dim, GQA 3:1): each output row and log-sum-exp; rows that see no key 0 and
+    -inf. bf16 inputs are the reference's inputs too (it upcasts them), so the error is the
+    output's rounding and fp32 arithmetic."""
+    for Tq, Tk in LENGTHS:
+        for causal, window, scale, softcap in MASKS:
+            q, k, v = masked_qkv(2, Tq, Tk, 6, 2, 23, dtype)
+            geo = geometry_of(q, k, causal, window, scale, softcap)
+            out, lse = gqa_geometry.attention_torch(q, k, v, geo)
+            assert out.dtype == dtype and lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+            assert_rows_close(out, lse, *reference_of(q, k, v, geo), tol, (Tq, Tk, causal, window, scale, softcap))
+
+
+def test_attention_public_entry_on_cpu():
+    """gqa_module.attention on CPU tensors: FlashAttention's defaults (causal=False), the
+    log-sum-exp only when asked, causal=True as causal_gqa_attention, and Tq != Tk refused in
+    this version by the input rules (kernels/checks.h, in causal_gqa_attention's name)."""
+    q, k, v = make_qkv(2, 65, 6, 2, 23)
+    out = gqa_module.attention(q, k, v)
+    assert isinstance(out, torch.Tensor)
+    ref_out, _ = reference.attention_ref(q, k, v, causal=False)
+    assert torch.allclose(out.double(), ref_out, atol=2e-6)
+    out, lse = gqa_module.attention(q, k, v, causal=True, return_lse=True)
+    assert lse.shape == (2, 6, 65) and lse.dtype == torch.float32
+    assert torch.allclose(out, gqa_module.causal_gqa_attention(q, k, v), atol=2e-6)
+    q2 = make_qkv(2, 63, 6, 2, 23)[0]
+    with pytest.raises(ValueError, match=r"^causal_gqa_attention: k must have q's sequence length T"):
+        gqa_module.attention(q2, k, v, causal=True)
+    with pytest.raises(TypeError, match=r"^attention: k must be a torch.Tensor"):
+        gqa_module.attention(q, None, v)
+
+
+def test_attention_gradients_match_float64_autograd():
+    """float64 gradcheck of the output and the log-sum-exp through every option at once (Tq !=
+    Tk, window, scale, softcap); rows that see no key take zero gradients and no NaN."""
+    q, k, v = masked_qkv(1, 4, 6, 4, 2, 5, torch.float64)
+    geo = geometry_of(q, k, False, (1, 2), 0.8, 1.5)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    assert torch.autograd.gradcheck(lambda *x: gqa_geometry.attention_torch(*x, geo), leaves)
+    q, k, v = (t.requires_grad_(True) for t in masked_qkv(1, 6, 3, 4, 2, 5, torch.float64))
+    geo = geometry_of(q, k, True, (-1, -1), None, 0.0)                # rows 0..2 see no key
+    out, lse = gqa_geometry.attention_torch(q, k, v, geo)
+    (out.square().sum() + lse[torch.isfinite(lse)].sum()).backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    assert torch.all(q.grad[:, :3] == 0) and torch.any(q.grad[:, 3:] != 0)
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_attention_nonfinite_reaches_the_rows_that_see_it(which):
+    """NaN, +Inf and -Inf in one element of q, k or v at positions 0, 37 and 64 (T = 65), under a
+    causal window, a two-sided window and no mask: the NaN, +Inf and -Inf entries of the output
+    and the log-sum-exp are the float64 reference's, and the finite ones within fp32 rounding."""
+    for causal, window in ((True, (8, -1)), (False, (4, 4)), (False, (-1, -1))):
+        for pos, bad in ((0, NAN), (37, INF), (64, -INF)):
+            q, k, v = make_qkv(1, 65, 4, 2, 16)
+            dict(q=q, k=k, v=v)[which][0, pos, 1, 3] = bad
+            out, lse = gqa_module.attention(q, k, v, causal=causal, window_size=window, return_lse=True)
+            ref_out, ref_lse = reference.attention_ref(q, k, v, causal=causal, window=window)
+            for got, ref in ((out, ref_out), (lse, ref_lse)):
+                for test in (torch.isnan, torch.isposinf, torch.isneginf):
+                    assert torch.equal(test(got), test(ref)), (which, causal, window, pos, bad, test.__name__)
+                finite = torch.isfinite(ref)
+                assert torch.allclose(got.double()[finite], ref[finite], atol=1e-5), (which, causal, window, pos)
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(causal=1), TypeError, "causal must be a bool"),
+    (dict(return_lse="yes"), TypeError, "return_lse must be a bool"),
+    (dict(softmax_scale="0.1"), TypeError, "softmax_scale must be a float"),
+    (dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be finite"),
+    (dict(softcap=-1.0), ValueError, "softcap must be finite and >= 0"),
+    (dict(softcap=float("inf")), ValueError, "softcap must be finite"),
+    (dict(window_size=(4,)), ValueError, "window_size must be a pair"),
+    (dict(window_size="ab"), ValueError, "window_size must be a pair"),
+    (dict(window_size=(-2, 0)), ValueError, "window_size[0] (left) must be -1"),
+    (dict(window_size=(0, 2.5)), TypeError, "window_size[1] (right) must be an int"),
+    (dict(causal=True, window_size=(0, -3)), ValueError, "window_size[1] (right) must be -1"),
+])
+def test_attention_bad_arguments_raise(kwargs, error, words):
+    q, k, v = make_qkv(1, 5, 2, 1, 8)
+    with pytest.raises(error) as info:
+        gqa_module.attention(q, k, v, **kwargs)
+    assert str(info.value).startswith("attention: ") and words in str(info.value), str(info.value)
+
+
+def test_attention_cuda_gaps_name_the_option():
+    """What the CUDA kernels of this version do not run is named (no GPU needed): any option but
+    causal attention with Tq = Tk, the default scale (within float32 rounding) and no softcap or
+    log-sum-exp; windows that equal the causal mask are served."""
+    q, k = torch.empty(1, 10, 4, 64), torch.empty(1, 10, 2, 64)
+    def gap(**kw):
+        args = dict(causal=True, softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False)
+        args.update(kw)
+        return gqa_geometry.cuda_gap(gqa_geometry.arguments(q, k, **args), 64)
+    assert gap() is None and gap(window_size=(9, 5)) is None and gap(causal=False, window_size=(-1, 0)) is None
+    assert gap(softmax_scale=64 ** -0.5) is None and gap(softmax_scale=float(torch.tensor(0.125))) is None
+    assert gap(return_lse=True) == "return_lse=True"
+    assert gap(causal=False) == "causal=False with window_size=(-1, -1)"
+    assert gap(window_size=(8, -1)) == "causal=True with window_size=(8, 0)"
+    assert gap(softmax_scale=0.1) == "softmax_scale=0.1" and gap(softcap=30.0) == "softcap=30.0"
+    assert gqa_geometry.cuda_gap(gqa_geometry.arguments(q, torch.empty(1, 12, 2, 64), True, None, (-1, -1), 0.0,
+                                                        False), 64) == "Tq != Tk (10 queries, 12 keys)"
+
+
+@needs_gpu
+def test_gpu_attention_serves_causal_and_names_the_rest():
+    """On CUDA tensors attention() with a causal geometry is causal_gqa_attention's result, bit for
+    bit; every other option raises a NotImplementedError naming it, and no kernel runs."""
+    q, k, v = make_qkv(2, 65, 6, 2, 64, device="cuda", dtype=torch.bfloat16)
+    expect = gqa_module.causal_gqa_attention(q, k, v)
+    for kw in (dict(causal=True), dict(window_size=(-1, 0)), dict(causal=True, window_size=(64, 3)),
+               dict(causal=True, softmax_scale=0.125)):
+        assert torch.equal(gqa_module.attention(q, k, v, **kw), expect), kw
+    for kw, words in ((dict(), "causal=False"), (dict(causal=True, return_lse=True), "return_lse=True"),
+                      (dict(causal=True, softcap=5.0), "softcap=5.0"), (dict(causal=True, softmax_scale=0.2), "0.2")):
+        with pytest.raises(NotImplementedError) as info:
+            gqa_module.attention(q, k, v, **kw)
+        assert words in str(info.value) and "CPU tensors run every option" in str(info.value), str(info.value)
+
+
+# ------------------------------------------------------------------------------------------------
 # transformers (gqa_transformers.py): tiny random-init models with GQA, the library against SDPA
 needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                         reason="needs transformers (pip install transformers)")

@@ -1,0 +1,172 @@
+"""Sequence geometry with FlashAttention's arguments and meanings, and attention over it in PyTorch.
+
+The arguments of `gqa_module.attention` that say which keys each query sees and how scores are
+formed, their rules (one copy, here), and the PyTorch implementation that CPU tensors run:
+
+- q [B, Tq, Hq, D], k and v [B, Tk, Hkv, D]; query head h reads kv head h // (Hq // Hkv).
+- Query i is aligned with key i + Tk - Tq (bottom right, as FlashAttention does when Tq != Tk).
+  It sees key j when i + Tk - Tq - left <= j <= i + Tk - Tq + right, for window_size = (left,
+  right), where -1 (or None) means unbounded on that side; causal=True sets right to 0.
+- Scores are q . k * softmax_scale (default 1 / sqrt(D)), then softcap * tanh(score / softcap)
+  when softcap > 0.
+- A row that sees no key gives an output of 0 and a log-sum-exp of -inf (FlashAttention-3's rule).
+- The log-sum-exp is the natural log, laid out [B, Hq, Tq] as FlashAttention's, in float32
+  (float64 for float64 inputs).
+"""
+
+import collections
+import math
+import numbers
+
+import torch
+
+Geometry = collections.namedtuple("Geometry", "Tq Tk causal left right scale softcap return_lse")
+
+
+def _is_real(x):
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _window_side(name, side, x):
+    """One side of window_size as an int >= -1 (None: -1, unbounded)."""
+    if x is None:
+        return -1
+    if not isinstance(x, numbers.Integral) or isinstance(x, bool):
+        raise TypeError("attention: window_size[%d] (%s) must be an int or None, got %s"
+                        % (side, name, type(x).__name__))
+    if x < -1:
+        raise ValueError("attention: window_size[%d] (%s) must be -1 or None (unbounded) or >= 0, got %d"
+                         % (side, name, x))
+    return int(x)
+
+
+def arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse):
+    """The checked geometry of a call on q [B, Tq, Hq, D] and k [B, Tk, Hkv, D] (their shapes are
+    the tensor rules' to check): a Geometry, or a TypeError or ValueError naming the argument."""
+    if not isinstance(causal, bool):
+        raise TypeError("attention: causal must be a bool, got %s" % type(causal).__name__)
+    if not isinstance(return_lse, bool):
+        raise TypeError("attention: return_lse must be a bool, got %s" % type(return_lse).__name__)
+    D = q.shape[-1]
+    if softmax_scale is None:
+        scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
+    elif not _is_real(softmax_scale):
+        raise TypeError("attention: softmax_scale must be a float or None (1 / sqrt(head_dim)), got %s"
+                        % type(softmax_scale).__name__)
+    elif not math.isfinite(softmax_scale):
+        raise ValueError("attention: softmax_scale must be finite, got %r" % softmax_scale)
+    else:
+        scale = float(softmax_scale)
+    if not _is_real(softcap):
+        raise TypeError("attention: softcap must be a float (0 for none), got %s" % type(softcap).__name__)
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError("attention: softcap must be finite and >= 0 (0 for none), got %r" % softcap)
+    if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
+        raise ValueError("attention: window_size must be a pair (left, right) of ints, -1 or None for "
+                         "unbounded, got %r" % (window_size,))
+    left = _window_side("left", 0, window_size[0])
+    right = 0 if causal else _window_side("right", 1, window_size[1])
+    if causal:
+        _window_side("right", 1, window_size[1])   # still a valid value, though causal sets it to 0
+    Tq, Tk = q.shape[1], k.shape[1]
+    return Geometry(Tq, Tk, causal, left, right, scale, float(softcap), return_lse)
+
+
+def key_range(geo, i):
+    """The keys query row i sees, as (first, last); first > last where it sees none."""
+    aligned = i + geo.Tk - geo.Tq
+    first = 0 if geo.left < 0 else max(0, aligned - geo.left)
+    last = geo.Tk - 1 if geo.right < 0 else min(geo.Tk - 1, aligned + geo.right)
+    return first, last
+
+
+def is_causal_square(geo):
+    """Whether the call is causal attention with Tq = Tk: each query t sees keys 0..t, no fewer."""
+    return geo.Tq == geo.Tk and geo.right == 0 and (geo.left < 0 or geo.left >= geo.Tk - 1)
+
+
+def _sees(geo, device):
+    """[Tq, Tk] bool: query i sees key j."""
+    i = torch.arange(geo.Tq, device=device).view(-1, 1) + (geo.Tk - geo.Tq)
+    j = torch.arange(geo.Tk, device=device).view(1, -1)
+    sees = torch.ones(geo.Tq, geo.Tk, dtype=torch.bool, device=device)
+    if geo.right >= 0:
+        sees &= j <= i + geo.right
+    if geo.left >= 0:
+        sees &= j >= i - geo.left
+    return sees
+
+
+def _scores(geo, q, k):
+    """q [..., D] against k [..., D] as the call forms them (scale, then softcap)."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * geo.scale
+    return geo.softcap * torch.tanh(s / geo.softcap) if geo.softcap > 0 else s
+
+
+def attention_torch(q, k, v, geo):
+    """(out [B, Tq, Hq, D] in q's dtype, lse [B, Hq, Tq]) through PyTorch, differentiable (the
+    log-sum-exp too), computed in float32 (float64 for float64 inputs) one kv head at a time.
+
+    Where q, k or v holds Inf or NaN, each query row takes only the keys it sees (a masked key's
+    zero weight would otherwise multiply its Inf or NaN into every row), row by row."""
+    B, Tq, Hq, D = q.shape
+    Hkv = k.shape[2]
+    group = Hq // Hkv
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    # [B, Hkv, group, Tq, D] and [B, Hkv, Tk, D] in the accumulation type
+    qa = q.to(acc).reshape(B, Tq, Hkv, group, D).permute(0, 2, 3, 1, 4)
+    ka, va = k.to(acc).permute(0, 2, 1, 3), v.to(acc).permute(0, 2, 1, 3)
+    finite = Tq == 0 or all(bool(torch.isfinite(t).all()) for t in (q, k, v))
+    out, lse = (_dense if finite else _row_by_row)(geo, qa, ka, va)
+    out = out.permute(0, 3, 1, 2, 4).reshape(B, Tq, Hq, D).to(q.dtype)
+    return out, lse.reshape(B, Hq, Tq)
+
+
+def _dense(geo, qa, ka, va):
+    """Every score of a kv head at once, masked."""
+    sees = _sees(geo, qa.device)
+    blind = ~sees.any(dim=-1, keepdim=True)   # rows that see no key
+    outs, lses = [], []
+    for h in range(qa.shape[1]):
+        s = _scores(geo, qa[:, h], ka[:, h].unsqueeze(1)).masked_fill(~sees, -math.inf)
+        # A blind row's scores become zeros (a finite stand-in: no -inf - -inf, whose NaN would
+        # reach the gradients); its weights and log-sum-exp are set below.
+        s = s.masked_fill(blind, 0.0)
+        row_lse = torch.logsumexp(s, dim=-1, keepdim=True)
+        p = torch.exp(s - row_lse).masked_fill(blind, 0.0)
+        outs.append(torch.matmul(p, va[:, h].unsqueeze(1)))
+        lses.append(row_lse.squeeze(-1).masked_fill(blind.squeeze(-1), -math.inf))
+    return torch.stack(outs, dim=1), torch.stack(lses, dim=1)
+
+
+def _row_by_row(geo, qa, ka, va):
+    """Each query row over the keys it sees alone."""
+    B, Hkv, group, Tq, D = qa.shape
+    outs, lses = [], []
+    for i in range(Tq):
+        first, last = key_range(geo, i)
+        if first > last:
+            outs.append(qa.new_zeros(B, Hkv, group, D))
+            lses.append(qa.new_full((B, Hkv, group), -math.inf))
+            continue
+        s = _scores(geo, qa[:, :, :, i], ka[:, :, first:last + 1])   # [B, Hkv, group, keys]
+        row_lse = torch.logsumexp(s, dim=-1, keepdim=True)
+        outs.append(torch.matmul(torch.exp(s - row_lse), va[:, :, first:last + 1]))
+        lses.append(row_lse.squeeze(-1))
+    return torch.stack(outs, dim=3), torch.stack(lses, dim=3)
+
+
+def cuda_gap(geo, D):
+    """What the call asks for that the CUDA kernels of this version do not run, in words, or None."""
+    if geo.return_lse:
+        return "return_lse=True"
+    if geo.Tq != geo.Tk:
+        return "Tq != Tk (%d queries, %d keys)" % (geo.Tq, geo.Tk)
+    if not is_causal_square(geo):
+        return "causal=%s with window_size=(%d, %d)" % (geo.causal, geo.left, geo.right)
+    default = 1.0 / math.sqrt(D)
+    if abs(geo.scale - default) > default * 2.0 ** -24:
+        return "softmax_scale=%r" % geo.scale
+    if geo.softcap > 0:
+        return "softcap=%r" % geo.softcap
+    return None
