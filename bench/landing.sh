@@ -3,8 +3,8 @@
 # writing everything under $OUT (default /tmp/landing):
 #
 #   bash bench/landing.sh tests   # every unit built at once; the sanitizer started in the background
-#                                 # (setsid, so it outlives this command); the GPU test file
-#                                 # (pytest-xdist workers where it is installed) beside
+#                                 # (setsid, so it outlives this command); the GPU tests (`-m gpu`;
+#                                 # pytest-xdist workers where it is installed) beside
 #                                 # bench/kernelbench_eval.py
 #   bash bench/landing.sh bench   # waits for the sanitizer, copies its JSON, then the benchmark alone
 #
@@ -39,8 +39,10 @@ tests)
     workers=()
     python3 -c "import xdist" 2>/dev/null && workers=(-n "${PYTEST_WORKERS:-6}")
     # SIGINT at the limit, so that pytest still prints its summary (the failures' names)
+    # The tests marked gpu alone (CI runs the rest, on a CPU machine): the CPU emulations took 270 s
+    # a worker here beside the sanitizer
     timeout -s INT -k 20 "${PYTEST_LIMIT:-500}" python3 -m pytest -q -rfs -p no:cacheprovider --durations=30 \
-        "${workers[@]}" test_gqa.py >"$out/gpu_tests.log" 2>&1
+        "${workers[@]}" -m gpu test_gqa.py >"$out/gpu_tests.log" 2>&1
     echo "pytest exit $?"
     grep -v -e PytestBenchmarkWarning -e 'warner(' "$out/gpu_tests.log" | tail -45
     [ -n "$kb_pid" ] && wait "$kb_pid" && tail -2 "$out/kb.log"
