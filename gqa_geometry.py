@@ -17,6 +17,7 @@ formed, their rules (one copy, here), and the PyTorch implementation that CPU te
 import collections
 import math
 import numbers
+import operator
 
 import torch
 
@@ -28,16 +29,21 @@ def _is_real(x):
 
 
 def _window_side(name, side, x):
-    """One side of window_size as an int >= -1 (None: -1, unbounded)."""
+    """One side of window_size as an int >= -1 (None: -1, unbounded). Anything with __index__
+    serves, as in FlashAttention (a NumPy integer, a 0-d integer tensor from torch.randint)."""
     if x is None:
         return -1
-    if not isinstance(x, numbers.Integral) or isinstance(x, bool):
+    try:
+        value = None if isinstance(x, bool) else operator.index(x)
+    except TypeError:
+        value = None
+    if value is None:
         raise TypeError("attention: window_size[%d] (%s) must be an int or None, got %s"
                         % (side, name, type(x).__name__))
-    if x < -1:
+    if value < -1:
         raise ValueError("attention: window_size[%d] (%s) must be -1 or None (unbounded) or >= 0, got %d"
-                         % (side, name, x))
-    return int(x)
+                         % (side, name, value))
+    return value
 
 
 def arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse):

@@ -615,7 +615,8 @@ def test_attention_nonfinite_reaches_the_rows_that_see_it(which):
     (dict(window_size=(4,)), ValueError, "window_size must be a pair"),
     (dict(window_size="ab"), ValueError, "window_size must be a pair"),
     (dict(window_size=(-2, 0)), ValueError, "window_size[0] (left) must be -1"),
-    (dict(window_size=(0, 2.5)), TypeError, "window_size[1] (right) must be an int"),
+    (dict(window_size=(0, 2.5)), TypeError, "window_size[1] (right) must be an int or None, got float"),
+    (dict(window_size=(True, 0)), TypeError, "window_size[0] (left) must be an int or None, got bool"),
     (dict(causal=True, window_size=(0, -3)), ValueError, "window_size[1] (right) must be -1"),
 ])
 def test_attention_bad_arguments_raise(kwargs, error, words):
@@ -640,6 +641,9 @@ def test_attention_cuda_gaps_name_the_option():
     assert gap(causal=False) == "causal=False with window_size=(-1, -1)"
     assert gap(window_size=(8, -1)) == "causal=True with window_size=(8, 0)"
     assert gap(softmax_scale=0.1) == "softmax_scale=0.1" and gap(softcap=30.0) == "softcap=30.0"
+    # window sides as FlashAttention takes them: anything with __index__ (torch.randint gives 0-d tensors)
+    assert gap(window_size=torch.tensor([9, 5])) is None and gap(window_size=(torch.tensor(3), None)) == (
+        "causal=True with window_size=(3, 0)")
     assert gqa_geometry.cuda_gap(gqa_geometry.arguments(q, torch.empty(1, 12, 2, 64), True, None, (-1, -1), 0.0,
                                                         False), 64) == "Tq != Tk (10 queries, 12 keys)"
 
