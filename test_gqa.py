@@ -626,6 +626,34 @@ def test_attention_bad_arguments_raise(kwargs, error, words):
     assert str(info.value).startswith("attention: ") and words in str(info.value), str(info.value)
 
 
+def test_flash_attention_stand_in_maps_its_arguments():
+    """bench/fa_shim/flash_attn (for bench/fa_suite.py): FlashAttention 2's functions on the library's
+    attention(), packed layouts unpacked, the log-sum-exp where asked, and each feature the library
+    lacks a skip naming it."""
+    sys.path.insert(0, os.path.join(HERE, "bench", "fa_shim"))
+    try:
+        import flash_attn
+    finally:
+        sys.path.pop(0)
+        for name in [name for name in sys.modules if name.split(".")[0] == "flash_attn"]:
+            del sys.modules[name]   # the stand-in is no installed flash_attn for the other tests
+    q, k, v = make_qkv(2, 33, 6, 2, 16)
+    kw = dict(causal=True, window_size=(5, -1), softcap=3.0, softmax_scale=0.4)
+    out, lse, s_dmask = flash_attn.flash_attn_func(q, k, v, 0.0, return_attn_probs=True, **kw)
+    expect_out, expect_lse = gqa_module.attention(q, k, v, return_lse=True, **kw)
+    assert torch.equal(out, expect_out) and torch.equal(lse, expect_lse) and s_dmask is None
+    assert torch.equal(flash_attn.flash_attn_kvpacked_func(q, torch.stack([k, v], dim=2), **kw), expect_out)
+    qkv = torch.stack([q[:, :, :2], k, v], dim=2)
+    assert torch.equal(flash_attn.flash_attn_qkvpacked_func(qkv, causal=True),
+                       gqa_module.attention(q[:, :, :2], k, v, causal=True))
+    for call, feature in ((lambda: flash_attn.flash_attn_func(q, k, v, 0.1), "dropout"),
+                          (lambda: flash_attn.flash_attn_func(q, k, v, alibi_slopes=torch.ones(2, 6)), "alibi"),
+                          (lambda: flash_attn.flash_attn_varlen_func(q, k, v), "varlen"),
+                          (lambda: flash_attn.flash_attn_with_kvcache(q, k, v), "kvcache")):
+        with pytest.raises(pytest.skip.Exception, match="unsupported: " + feature):
+            call()
+
+
 def test_attention_cuda_gaps_name_the_option():
     """What the CUDA kernels of this version do not run is named (no GPU needed): any option but
     causal attention with Tq = Tk, the default scale (within float32 rounding) and no softcap or
@@ -957,14 +985,13 @@ def test_bench_dtypes_keep_only_the_named_dtypes():
 
 def test_committed_results_match_schema_and_current_kernel():
     """The benchmark's bench/results/*.json follow the schema (sanitizer.json has its own test;
-    kernelbench_eval.json, first_calls.json and uneven_backward.json are the records of
-    bench/kernelbench_eval.py, bench/first_call.py and bench/uneven_backward.py), and one of them
-    was measured on the
-    kernel as it is now."""
+    kernelbench_eval.json, first_calls.json, uneven_backward.json and fa_suite_*.json are the
+    records of bench/kernelbench_eval.py, bench/first_call.py, bench/uneven_backward.py and
+    bench/fa_suite.py), and one of them was measured on the kernel as it is now."""
     results_dir = os.path.join(HERE, "bench", "results")
     paths = sorted(os.path.join(results_dir, f) for f in os.listdir(results_dir)
                    if f.endswith(".json") and f not in ("sanitizer.json", "kernelbench_eval.json", "first_calls.json",
-                                                              "uneven_backward.json"))
+                                                              "uneven_backward.json") and not f.startswith("fa_suite_"))
     assert paths, "no committed benchmark results"
     bench = _load_bench()
     hashes = set()

@@ -1,0 +1,62 @@
+"""A stand-in for the flash_attn package over gqa_module.attention, so that FlashAttention's own
+test files (tests/test_flash_attn.py) run against this library (bench/fa_suite.py).
+
+Each function takes FlashAttention 2's arguments. What the library does not compute skips the
+test with "unsupported: <feature>" (bench/fa_suite.py counts those by feature); nothing is
+emulated around it."""
+import pytest
+
+import gqa_module
+
+
+def _unsupported(feature):
+    pytest.skip("unsupported: " + feature)
+
+
+def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs):
+    if dropout_p:
+        _unsupported("dropout")
+    if alibi_slopes is not None:
+        _unsupported("alibi")
+    try:
+        result = gqa_module.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                      softcap=softcap, return_lse=return_attn_probs)
+    except NotImplementedError as error:   # CUDA tensors: the kernels' gaps, named
+        _unsupported(str(error).split("this call asks for ")[-1].split(". ")[0])
+    except ValueError as error:   # the input rules of a version whose attention() takes Tq = Tk only
+        if "sequence length T" not in str(error):
+            raise
+        _unsupported("seqlen_q != seqlen_k")
+    if return_attn_probs:
+        out, lse = result
+        return out, lse, None   # S_dmask: only read by the dropout tests
+    return result
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                      return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    return _attention(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
+                      alibi_slopes, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    return _attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
+                      softcap, alibi_slopes, return_attn_probs)
+
+
+def flash_attn_varlen_func(*args, **kwargs):
+    _unsupported("varlen")
+
+
+flash_attn_varlen_kvpacked_func = flash_attn_varlen_qkvpacked_func = flash_attn_varlen_func
+
+
+def flash_attn_with_kvcache(*args, **kwargs):
+    _unsupported("kvcache")
