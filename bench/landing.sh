@@ -12,7 +12,8 @@
 # may be emptied in between, so copy the first command's files away first). SANITIZER_FROM names a committed partial
 # sanitizer JSON to resume from (bench/sanitize.py --resume: its passed tools are kept when the
 # kernels, seed, cases and versions match); BENCH_ARGS replaces the benchmark's arguments
-# (default --no-sweep --backward).
+# (default --no-sweep --backward). The bench step then runs bench/uneven_backward.py and, where
+# .fa/test_flash_attn.py is carried (FA_SOURCE names its repository and commit), bench/fa_suite.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/landing}
@@ -57,6 +58,13 @@ bench)
     timeout 420 python3 bench/bench_gqa.py ${BENCH_ARGS:---no-sweep --backward} --out "$out" >"$out/bench.log" 2>&1
     echo "bench exit $?"
     tail -40 "$out/bench.log"
+    # After the benchmark (they would disturb its timings): the fp32 backward on uneven inputs, and
+    # FlashAttention's own test file on CUDA tensors where it was carried as .fa/test_flash_attn.py
+    timeout 120 python3 bench/uneven_backward.py --out "$out/uneven_backward.json" 2>&1 | tail -3
+    if [ -f .fa/test_flash_attn.py ]; then
+        timeout 300 python3 bench/fa_suite.py --tests .fa/test_flash_attn.py --source "${FA_SOURCE:-}" \
+            --device cuda --sample 300 --seed 53 --out "$out/fa_suite_cuda.json" 2>&1 | tail -12
+    fi
     ;;
 *)
     echo "usage: bash bench/landing.sh tests|bench" >&2
