@@ -807,12 +807,13 @@ def test_gpu_transformers_training_step_matches_sdpa(family, dtype):
 
 def test_pip_install_puts_the_kernels_beside_the_module(tmp_path):
     """`pip install .` (from a copy of the checkout's installable files) installs gqa_module,
-    gqa_transformers and kernels/ as gqa_module_kernels/ beside them: imported from another folder,
-    the module reads the same kernel sources (same sha256) and runs a CPU call."""
+    gqa_geometry, gqa_transformers and kernels/ as gqa_module_kernels/ beside them: imported from
+    another folder, the module reads the same kernel sources (same sha256) and runs a CPU call of
+    each entry."""
     import shutil
     source = tmp_path / "source"
     source.mkdir()
-    for name in ("pyproject.toml", "README.md", "gqa_module.py", "gqa_transformers.py"):
+    for name in ("pyproject.toml", "README.md", "gqa_module.py", "gqa_geometry.py", "gqa_transformers.py"):
         shutil.copy(os.path.join(HERE, name), source / name)
     shutil.copytree(os.path.join(HERE, "kernels"), source / "kernels")
     target = tmp_path / "site"
@@ -825,12 +826,15 @@ def test_pip_install_puts_the_kernels_beside_the_module(tmp_path):
             "print(gqa_module.__file__)\n"
             "print(gqa_module.kernel_source_sha256())\n"
             "q, k, v = (torch.randn(1, 5, h, 8) for h in (2, 1, 1))\n"
-            "print(tuple(gqa_module.causal_gqa_attention(q, k, v).shape))\n")
+            "print(tuple(gqa_module.causal_gqa_attention(q, k, v).shape))\n"
+            "print(tuple(gqa_module.attention(q, k, v, window_size=(2, 1), return_lse=True)[1].shape))\n")
     run = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, capture_output=True, text=True, timeout=900,
                          env=dict(os.environ, PYTHONPATH=str(target)))
     assert run.returncode == 0, run.stderr[-3000:]
-    module_file, sha, shape = run.stdout.split("\n")[:3]
+    module_file, sha, shape, lse_shape = run.stdout.split("\n")[:4]
     assert module_file == str(target / "gqa_module.py") and shape == "(1, 5, 2, 8)", run.stdout
+    assert lse_shape == "(1, 2, 5)", run.stdout
+    assert (target / "gqa_geometry.py").exists()
     assert sha == gqa_module.kernel_source_sha256()
     installed = sorted(os.path.relpath(os.path.join(root, f), target / "gqa_module_kernels")
                        for root, _, names in os.walk(target / "gqa_module_kernels") for f in names)
