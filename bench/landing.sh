@@ -2,11 +2,11 @@
 # The landing cycle of a kernel change on a GPU machine, in two commands of under ten minutes each,
 # writing everything under $OUT (default /tmp/landing):
 #
-#   bash bench/landing.sh tests   # every unit built at once; the sanitizer started in the background
-#                                 # (setsid, so it outlives this command); the GPU tests (`-m gpu`;
-#                                 # pytest-xdist workers where it is installed) beside
-#                                 # bench/kernelbench_eval.py
-#   bash bench/landing.sh bench   # waits for the sanitizer, copies its JSON, then the benchmark alone
+#   bash bench/landing.sh tests   # every unit built at once; the sanitizer and (where .kb/src is
+#                                 # carried) bench/kernelbench_eval.py started in the background
+#                                 # (setsid, so they outlive this command); the GPU tests (`-m gpu`;
+#                                 # pytest-xdist workers where it is installed) beside them
+#   bash bench/landing.sh bench   # waits for both, copies their JSONs, then the benchmark alone
 #
 # The second command runs on the same machine after the first (it waits for that sanitizer; $OUT
 # may be emptied in between, so copy the first command's files away first). SANITIZER_FROM names a committed partial
@@ -21,6 +21,8 @@ mkdir -p "$out"
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/ext} PYTHONUNBUFFERED=1
 san_json=/tmp/landing-sanitizer.json
 san_log=/tmp/landing-sanitizer.log
+kb_json=/tmp/landing-kernelbench_eval.json
+kb_log=/tmp/landing-kernelbench.log
 
 case "${1:-}" in
 tests)
@@ -31,11 +33,8 @@ tests)
     if [ -n "${SANITIZER_FROM:-}" ]; then cp "$SANITIZER_FROM" "$san_json" && resume=(--resume); fi
     setsid nohup python3 bench/sanitize.py --out "$san_json" --log-dir /tmp/landing-sanitizer-logs --timeout 420 \
         "${resume[@]}" >"$san_log" 2>&1 </dev/null &
-    kb_pid=
-    if [ -d .kb/src ]; then
-        (KERNELBENCH_SRC=$PWD/.kb/src python3 bench/kernelbench_eval.py "$out/kernelbench_eval.json" >"$out/kb.log" 2>&1
-         echo "kernelbench_eval exit $?" >>"$out/kb.log") &
-        kb_pid=$!
+    if [ -d .kb/src ]; then   # in the background too (setsid): the bench step waits for it
+        KERNELBENCH_SRC=$PWD/.kb/src setsid nohup python3 bench/kernelbench_eval.py "$kb_json" >"$kb_log" 2>&1 </dev/null &
     fi
     workers=()
     python3 -c "import xdist" 2>/dev/null && workers=(-n "${PYTEST_WORKERS:-6}")
@@ -46,14 +45,15 @@ tests)
         "${workers[@]}" -m gpu test_gqa.py >"$out/gpu_tests.log" 2>&1
     echo "pytest exit $?"
     grep -v -e PytestBenchmarkWarning -e 'warner(' "$out/gpu_tests.log" | tail -45
-    [ -n "$kb_pid" ] && wait "$kb_pid" && tail -2 "$out/kb.log"
     tail -3 "$san_log"
     ;;
 bench)
-    for _ in $(seq 90); do pgrep -f bench/sanitize.py >/dev/null || break; sleep 5; done
+    for _ in $(seq 90); do pgrep -f "bench/(sanitize|kernelbench_eval).py" >/dev/null || break; sleep 5; done
     tail -8 "$san_log"
+    grep -v -e "^\[Profiling\]" -e "compiling" "$kb_log" 2>/dev/null | tail -12
     cp "$san_json" "$out/sanitizer.json" 2>/dev/null || echo "no sanitizer JSON (see $san_log)"
-    pgrep -f bench/sanitize.py >/dev/null && { echo "the sanitizer is still running: no benchmark"; exit 1; }
+    cp "$kb_json" "$out/kernelbench_eval.json" 2>/dev/null || echo "no KernelBench JSON (see $kb_log)"
+    pgrep -f "bench/(sanitize|kernelbench_eval).py" >/dev/null && { echo "the sanitizer or KernelBench's evaluation is still running: no benchmark"; exit 1; }
     # shellcheck disable=SC2086
     timeout 420 python3 bench/bench_gqa.py ${BENCH_ARGS:---no-sweep --backward} --out "$out" >"$out/bench.log" 2>&1
     echo "bench exit $?"
