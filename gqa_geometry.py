@@ -71,18 +71,19 @@ def arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse):
         raise ValueError("attention: window_size must be a pair (left, right) of ints, -1 or None for "
                          "unbounded, got %r" % (window_size,))
     left = _window_side("left", 0, window_size[0])
-    right = 0 if causal else _window_side("right", 1, window_size[1])
+    right = _window_side("right", 1, window_size[1])   # checked even where causal sets it to 0
     if causal:
-        _window_side("right", 1, window_size[1])   # still a valid value, though causal sets it to 0
+        right = 0
     Tq, Tk = q.shape[1], k.shape[1]
     return Geometry(Tq, Tk, causal, left, right, scale, float(softcap), return_lse)
 
 
-def key_range(geo, i):
-    """The keys query row i sees, as (first, last); first > last where it sees none."""
-    aligned = i + geo.Tk - geo.Tq
-    first = 0 if geo.left < 0 else max(0, aligned - geo.left)
-    last = geo.Tk - 1 if geo.right < 0 else min(geo.Tk - 1, aligned + geo.right)
+def key_ranges(geo, device=None):
+    """The keys each query row sees, as int64 tensors (first, last) of Tq values: query i sees keys
+    first[i] .. last[i], none where first[i] > last[i]. The one statement of the mask here."""
+    aligned = torch.arange(geo.Tq, device=device) + (geo.Tk - geo.Tq)
+    first = (aligned - geo.left).clamp(min=0) if geo.left >= 0 else torch.zeros_like(aligned)
+    last = (aligned + geo.right).clamp(max=geo.Tk - 1) if geo.right >= 0 else torch.full_like(aligned, geo.Tk - 1)
     return first, last
 
 
@@ -93,14 +94,9 @@ def is_causal_square(geo):
 
 def _sees(geo, device):
     """[Tq, Tk] bool: query i sees key j."""
-    i = torch.arange(geo.Tq, device=device).view(-1, 1) + (geo.Tk - geo.Tq)
+    first, last = key_ranges(geo, device)
     j = torch.arange(geo.Tk, device=device).view(1, -1)
-    sees = torch.ones(geo.Tq, geo.Tk, dtype=torch.bool, device=device)
-    if geo.right >= 0:
-        sees &= j <= i + geo.right
-    if geo.left >= 0:
-        sees &= j >= i - geo.left
-    return sees
+    return (j >= first.view(-1, 1)) & (j <= last.view(-1, 1))
 
 
 def _scores(geo, q, k):
@@ -149,8 +145,7 @@ def _row_by_row(geo, qa, ka, va):
     """Each query row over the keys it sees alone."""
     B, Hkv, group, Tq, D = qa.shape
     outs, lses = [], []
-    for i in range(Tq):
-        first, last = key_range(geo, i)
+    for i, (first, last) in enumerate(zip(*(r.tolist() for r in key_ranges(geo)))):
         if first > last:
             outs.append(qa.new_zeros(B, Hkv, group, D))
             lses.append(qa.new_full((B, Hkv, group), -math.inf))

@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -104,8 +105,6 @@ def main(argv=None):
     parser.add_argument("--out")
     parser.add_argument("-k", dest="keyword", help="pytest's -k, applied before the sample")
     args = parser.parse_args(argv)
-    import time
-
     with open(args.tests) as fh:
         text = fh.read()
     if args.device == "cpu":
