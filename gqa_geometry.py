@@ -151,23 +151,24 @@ def _row_by_row(geo, qa, ka, va):
             lses.append(qa.new_full((B, Hkv, group), -math.inf))
             continue
         s = _scores(geo, qa[:, :, :, i], ka[:, :, first:last + 1])   # [B, Hkv, group, keys]
-        row_lse = torch.logsumexp(s, dim=-1, keepdim=True)
-        outs.append(torch.matmul(torch.exp(s - row_lse), va[:, :, first:last + 1]))
-        lses.append(row_lse.squeeze(-1))
+        # torch.softmax's weights: a row with a score of +inf has NaN weights at every key (SDPA's
+        # and FlashAttention's references); its log-sum-exp is torch.logsumexp's +inf
+        outs.append(torch.matmul(torch.softmax(s, dim=-1), va[:, :, first:last + 1]))
+        lses.append(torch.logsumexp(s, dim=-1))
     return torch.stack(outs, dim=3), torch.stack(lses, dim=3)
 
 
-def cuda_gap(geo, D):
-    """What the call asks for that the CUDA kernels of this version do not run, in words, or None."""
-    if geo.return_lse:
-        return "return_lse=True"
-    if geo.Tq != geo.Tk:
-        return "Tq != Tk (%d queries, %d keys)" % (geo.Tq, geo.Tk)
-    if not is_causal_square(geo):
-        return "causal=%s with window_size=(%d, %d)" % (geo.causal, geo.left, geo.right)
+def takes_causal_kernels(geo, D):
+    """Whether a CUDA call is causal attention with Tq = Tk, the default scale (within float32
+    rounding) and no log-sum-exp output: the tensor-core kernels of causal_gqa_attention."""
     default = 1.0 / math.sqrt(D)
-    if abs(geo.scale - default) > default * 2.0 ** -24:
-        return "softmax_scale=%r" % geo.scale
+    return (not geo.return_lse and geo.softcap == 0 and is_causal_square(geo)
+            and abs(geo.scale - default) <= default * 2.0 ** -24)
+
+
+def cuda_gap(geo, D):
+    """What the call asks for that the CUDA kernels of this version do not run, in words, or None
+    (the row-wise kernels take every geometry and scale, and the log-sum-exp)."""
     if geo.softcap > 0:
         return "softcap=%r" % geo.softcap
     return None

@@ -23,6 +23,7 @@ import ast
 import ctypes
 import hashlib
 import os
+import re
 import sys
 import time
 
@@ -70,6 +71,9 @@ def kernel_source_sha256(files=None):
     return digest.hexdigest()
 
 
+_PROJECT_INCLUDE = re.compile(r'\s*#\s*include\s*"([^"]+)"\s*(//.*)?$')   # a comment may follow
+
+
 def _translation_unit(files, path, seen=None):
     """kernels/`path` with every `#include "X"` of a file under kernels/ pasted in place, each file
     once (what load_inline compiles: one source text, no include path)."""
@@ -77,9 +81,9 @@ def _translation_unit(files, path, seen=None):
     seen.add(path)
     out = []
     for line in files[path].decode().splitlines(keepends=True):
-        stripped = line.strip()
-        if stripped.startswith('#include "') and stripped.endswith('"'):
-            included = stripped[len('#include "'):-1]
+        match = _PROJECT_INCLUDE.match(line)
+        if match:
+            included = match.group(1)
             if included not in files:
                 raise ValueError("kernels/%s includes %s, which is not under kernels/" % (path, included))
             if included not in seen:
@@ -543,14 +547,14 @@ def build_all():
 
 
 class _FirstOrderGradients(torch.autograd.Function):
-    """dq, dk and dv of the backward op, taken with create_graph=True: the same values, in a graph
+    """dq, dk and dv of a backward op, taken with create_graph=True: the same values, in a graph
     whose backward raises. The backward kernels are not differentiable (FlashAttention's are not
     either); without this node autograd, finding no derivative for the backward op, would return a
     wrong second-order gradient with only a warning."""
 
     @staticmethod
-    def forward(ctx, q, k, v, out, grad_out, lse2):
-        return tuple(getattr(torch.ops, _LIBRARY).causal_attention_backward.default(q, k, v, out, grad_out, lse2))
+    def forward(ctx, backward_op, *args):
+        return tuple(backward_op(*args))
 
     @staticmethod
     def backward(ctx, grad_dq, grad_dk, grad_dv):
@@ -591,8 +595,32 @@ def _register_fake():
     def backward(ctx, grad_out, grad_lse2):
         q, k, v, out, lse2 = ctx.saved_tensors
         if torch.is_grad_enabled():   # create_graph=True: these gradients may be differentiated again
-            return _FirstOrderGradients.apply(q, k, v, out, grad_out, lse2)
+            return _FirstOrderGradients.apply(namespace.causal_attention_backward.default, q, k, v, out, grad_out, lse2)
         return tuple(namespace.causal_attention_backward.default(q, k, v, out, grad_out, lse2))
+
+    # attention_rows: attention() beyond causal attention with Tq = Tk; its log-sum-exp is not
+    # differentiable (its gradient is taken as zero, as FlashAttention does).
+    def like_rows(q, k, v, window_left, window_right, scale):
+        return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+
+    def like_rows_backward(q, k, v, out, grad_out, window_left, window_right, scale):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    def save_rows(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:3], output[0])
+        ctx.geometry = inputs[3:]
+        ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)
+
+    def rows_backward(ctx, grad_out, grad_lse):
+        if grad_out is None:
+            return None, None, None, None, None, None
+        args = (*ctx.saved_tensors, grad_out, *ctx.geometry)
+        if torch.is_grad_enabled():
+            grads = _FirstOrderGradients.apply(namespace.attention_rows_backward.default, *args)
+        else:
+            grads = namespace.attention_rows_backward.default(*args)
+        return (*grads, None, None, None)
 
     for name in ("causal_attention", "empty_call"):
         torch.library.register_fake("%s::%s" % (_LIBRARY, name))(like_query)
@@ -600,6 +628,9 @@ def _register_fake():
     torch.library.register_fake("%s::causal_attention_backward" % _LIBRARY)(like_inputs)
     torch.library.register_autograd("%s::causal_attention_trainable" % _LIBRARY, backward,
                                     setup_context=save_inputs_and_outputs)
+    torch.library.register_fake("%s::attention_rows" % _LIBRARY)(like_rows)
+    torch.library.register_fake("%s::attention_rows_backward" % _LIBRARY)(like_rows_backward)
+    torch.library.register_autograd("%s::attention_rows" % _LIBRARY, rows_backward, setup_context=save_rows)
     namespace._gqa_fake_registered = True
 
 
@@ -706,12 +737,11 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     [B, Tq, Hq, D], k and v [B, Tk, Hkv, D] -> out [B, Tq, Hq, D] in q's dtype, or (out, lse [B,
     Hq, Tq]) with return_lse=True. causal defaults to False, as flash_attn_func's does.
 
-    In this version Tq must equal Tk. CPU tensors run every other option through PyTorch
-    (differentiable, the log-sum-exp too). CUDA tensors run the kernels of causal_gqa_attention:
-    causal attention (causal=True, or a window that equals it) with the default softmax_scale
-    (within float32 rounding), no softcap and no log-sum-exp output; any other option raises a
-    NotImplementedError naming it. The input tensors' rules (kernels/checks.h) speak in
-    causal_gqa_attention's name."""
+    CPU tensors run every option through PyTorch (differentiable, the log-sum-exp too). CUDA
+    tensors run the kernels of causal_gqa_attention for causal attention with Tq = Tk (causal=True,
+    or a window that equals it), the default softmax_scale (within float32 rounding) and no
+    log-sum-exp output; every other option but softcap runs the row-wise kernels of any geometry
+    (slower; the log-sum-exp not differentiable there); softcap raises a NotImplementedError."""
     import gqa_geometry
 
     _require_tensors(q, k, v, "attention")
@@ -721,11 +751,14 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
             gap = gqa_geometry.cuda_gap(geo, q.shape[3])
             if gap:
                 raise NotImplementedError(
-                    "attention: on CUDA tensors this version runs causal attention with Tq = Tk, the default "
-                    "softmax_scale (1 / sqrt(head_dim)), no softcap and no log-sum-exp output; this call asks "
+                    "attention: on CUDA tensors this version runs every option but softcap; this call asks "
                     "for %s. CPU tensors run every option." % gap)
+            if not gqa_geometry.takes_causal_kernels(geo, q.shape[3]):
+                ops = _OPS if _OPS is not None else load_extension(first_call=(q, k, v))
+                out, lse = ops.attention_rows(q, k, v, geo.left, geo.right, geo.scale)
+                return (out, lse) if return_lse else out
         return causal_gqa_attention(q, k, v)
-    _not_on_cuda(q, k, v, run=False)
+    load_cpu_library().check_inputs.default(q, k, v, "attention", False)
     geo = gqa_geometry.arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse)
     out, lse = gqa_geometry.attention_torch(q, k, v, geo)
     return (out, lse) if return_lse else out

@@ -441,12 +441,26 @@ def test_cpu_library_builds_without_cuda():
     """The PyTorch path's checks come from the CPU library (kernels/cpu_checks.cpp, built with no
     CUDA headers, its own op namespace), whose rules are checks.h's, the CUDA entry library's too."""
     ops = gqa_module.load_cpu_library()
-    assert str(ops.check_inputs.default._schema) == "gqa_attn_cpu::check_inputs(Tensor q, Tensor k, Tensor v) -> ()"
+    assert str(ops.check_inputs.default._schema) == ('gqa_attn_cpu::check_inputs(Tensor q, Tensor k, Tensor v, '
+                                                     'str entry="causal_gqa_attention", bool same_length=True) -> ()')
     files = gqa_module._read_kernel_files()
     unit = gqa_module._translation_unit(files, "cpu_checks.cpp")
     assert "gqa_check_inputs(" in unit and not re.search(r"#include <(c10/cuda|cuda|ATen/cuda)", unit)
     assert '#include "checks.h"' in files["binding.cpp"].decode()
     assert gqa_module.load_cpu_library() is ops
+
+
+def test_every_unit_translates_with_its_project_headers_pasted_in():
+    """load_inline compiles one source text per library: every `#include "X"` of a file under
+    kernels/ (a comment may follow it) is pasted in, none is left for the compiler to look for."""
+    files = gqa_module._read_kernel_files()
+    sources = [path for path in files if path.endswith((".cu", ".cpp"))]
+    assert "bwdx3/bwdx3.cu" in sources and "attention.cu" in sources
+    for path in sources:
+        unit = gqa_module._translation_unit(files, path)
+        assert not re.search(r'^\s*#\s*include\s*"', unit, re.M), path
+    assert gqa_module._translation_unit({"a.cu": b'#include "b.cuh"   // why\nint a;\n', "b.cuh": b"int b;\n"},
+                                        "a.cu") == "int b;\nint a;\n"
 
 
 def test_cpu_float64_runs_and_gradcheck_passes():
@@ -504,8 +518,7 @@ import gqa_geometry  # noqa: E402
 MASKS = [(True, (-1, -1), None, 0.0), (False, (-1, -1), None, 0.0), (False, (16, 0), 0.3, 0.0),
          (True, (7, -1), None, 5.0), (False, (5, 9), -0.4, 0.0), (False, (0, 0), None, 1.5),
          (False, (-1, 3), 2.0, 0.0), (True, (None, None), 0.05, 0.0)]
-# (Tq, Tk): Tq != Tk runs gqa_geometry.attention_torch directly (the public entry takes Tq = Tk in
-# this version); (65, 63) and (100, 1) hold rows that see no key under causal masks
+# (Tq, Tk); (65, 63) and (100, 1) hold rows that see no key under causal masks
 LENGTHS = [(1, 1), (63, 63), (65, 65), (63, 65), (65, 63), (1, 100), (100, 1), (20, 0)]
 
 
@@ -548,15 +561,16 @@ def test_attention_cpu_matches_float64_on_every_mask(dtype, tol):
         for causal, window, scale, softcap in MASKS:
             q, k, v = masked_qkv(2, Tq, Tk, 6, 2, 23, dtype)
             geo = geometry_of(q, k, causal, window, scale, softcap)
-            out, lse = gqa_geometry.attention_torch(q, k, v, geo)
+            out, lse = gqa_module.attention(q, k, v, causal=causal, window_size=window, softmax_scale=scale,
+                                            softcap=softcap, return_lse=True)
             assert out.dtype == dtype and lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
             assert_rows_close(out, lse, *reference_of(q, k, v, geo), tol, (Tq, Tk, causal, window, scale, softcap))
 
 
 def test_attention_public_entry_on_cpu():
     """gqa_module.attention on CPU tensors: FlashAttention's defaults (causal=False), the
-    log-sum-exp only when asked, causal=True as causal_gqa_attention, and Tq != Tk refused in
-    this version by the input rules (kernels/checks.h, in causal_gqa_attention's name)."""
+    log-sum-exp only when asked, causal=True as causal_gqa_attention, Tq != Tk against the float64
+    reference, and the input rules (kernels/checks.h) in each entry's own name."""
     q, k, v = make_qkv(2, 65, 6, 2, 23)
     out = gqa_module.attention(q, k, v)
     assert isinstance(out, torch.Tensor)
@@ -566,8 +580,12 @@ def test_attention_public_entry_on_cpu():
     assert lse.shape == (2, 6, 65) and lse.dtype == torch.float32
     assert torch.allclose(out, gqa_module.causal_gqa_attention(q, k, v), atol=2e-6)
     q2 = make_qkv(2, 63, 6, 2, 23)[0]
+    out, lse = gqa_module.attention(q2, k, v, causal=True, window_size=(9, -1), return_lse=True)
+    assert_rows_close(out, lse, *reference.attention_ref(q2, k, v, causal=True, window=(9, -1)), 1e-5, "Tq != Tk")
+    with pytest.raises(ValueError, match=r"^attention: k must have q's batch size B"):
+        gqa_module.attention(q2, k[:1], v[:1])
     with pytest.raises(ValueError, match=r"^causal_gqa_attention: k must have q's sequence length T"):
-        gqa_module.attention(q2, k, v, causal=True)
+        gqa_module.causal_gqa_attention(q2, k, v)
     with pytest.raises(TypeError, match=r"^attention: k must be a torch.Tensor"):
         gqa_module.attention(q, None, v)
 
@@ -654,42 +672,228 @@ def test_flash_attention_stand_in_maps_its_arguments():
             call()
 
 
-def test_attention_cuda_gaps_name_the_option():
-    """What the CUDA kernels of this version do not run is named (no GPU needed): any option but
-    causal attention with Tq = Tk, the default scale (within float32 rounding) and no softcap or
-    log-sum-exp; windows that equal the causal mask are served."""
+def test_attention_cuda_routes_name_the_option():
+    """Which CUDA kernels a call takes (no GPU needed): causal_gqa_attention's for causal attention
+    with Tq = Tk, the default scale (within float32 rounding) and no log-sum-exp, windows that equal
+    the causal mask included; the row-wise kernels of any geometry otherwise; softcap is named as
+    what no CUDA kernel runs."""
     q, k = torch.empty(1, 10, 4, 64), torch.empty(1, 10, 2, 64)
-    def gap(**kw):
+    def route(kv=k, **kw):
         args = dict(causal=True, softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False)
         args.update(kw)
-        return gqa_geometry.cuda_gap(gqa_geometry.arguments(q, k, **args), 64)
-    assert gap() is None and gap(window_size=(9, 5)) is None and gap(causal=False, window_size=(-1, 0)) is None
-    assert gap(softmax_scale=64 ** -0.5) is None and gap(softmax_scale=float(torch.tensor(0.125))) is None
-    assert gap(return_lse=True) == "return_lse=True"
-    assert gap(causal=False) == "causal=False with window_size=(-1, -1)"
-    assert gap(window_size=(8, -1)) == "causal=True with window_size=(8, 0)"
-    assert gap(softmax_scale=0.1) == "softmax_scale=0.1" and gap(softcap=30.0) == "softcap=30.0"
+        geo = gqa_geometry.arguments(q, kv, **args)
+        gap = gqa_geometry.cuda_gap(geo, 64)
+        return gap if gap else "causal" if gqa_geometry.takes_causal_kernels(geo, 64) else "rows"
+    assert route() == route(window_size=(9, 5)) == route(causal=False, window_size=(-1, 0)) == "causal"
+    assert route(softmax_scale=64 ** -0.5) == route(softmax_scale=float(torch.tensor(0.125))) == "causal"
     # window sides as FlashAttention takes them: anything with __index__ (torch.randint gives 0-d tensors)
-    assert gap(window_size=torch.tensor([9, 5])) is None and gap(window_size=(torch.tensor(3), None)) == (
-        "causal=True with window_size=(3, 0)")
-    assert gqa_geometry.cuda_gap(gqa_geometry.arguments(q, torch.empty(1, 12, 2, 64), True, None, (-1, -1), 0.0,
-                                                        False), 64) == "Tq != Tk (10 queries, 12 keys)"
+    assert route(window_size=torch.tensor([9, 5])) == "causal" and route(window_size=(torch.tensor(3), None)) == "rows"
+    assert route(return_lse=True) == route(causal=False) == route(window_size=(8, -1)) == "rows"
+    assert route(softmax_scale=0.1) == route(kv=torch.empty(1, 12, 2, 64)) == "rows"
+    assert route(softcap=30.0) == "softcap=30.0"
 
 
 @needs_gpu
-def test_gpu_attention_serves_causal_and_names_the_rest():
+@pytest.mark.parametrize("shape", [(1, 600, 8, 2, 128), (2, 300, 6, 3, 64), (1, 2048, 32, 8, 128)])
+def test_gpu_fp32_backward_on_uneven_inputs_within_4x_of_sdpa(shape):
+    """fp32 gradients on inputs of uneven magnitude (bench/uneven_backward.py's cases: rows of
+    grad_out over 1e-4..1e4, channels of k or q over 1e-8..1, channels of grad_out over 1e-4..1e4,
+    and two decades of grad_out rows, which x3 keeps): the worst row and the worst (head, channel)
+    error of dq, dk and dv against float64 autograd within 4x of SDPA's memory-efficient backward
+    on the same inputs. The x3 plans flag such calls for the row-wise fp32 kernels."""
+    uneven = load_bench_script("uneven_backward")
+    B, T, Hq, Hkv, D = shape
+    for which, by, lo, hi in uneven.CASES + [("grad_out", "rows", -1, 1)]:
+        gen = torch.Generator().manual_seed(seed_of("uneven", shape, which, by, lo))
+        q, k, v = (torch.randn(B, T, H, D, generator=gen).cuda() for H in (Hq, Hkv, Hkv))
+        grad_out = torch.randn(B, T, Hq, D, generator=gen).cuda()
+        tensors = dict(q=q, k=k, v=v, grad_out=grad_out)
+        tensors[which] = uneven.scaled(tensors[which], by, lo, hi, gen)
+        q, k, v, grad_out = (tensors[n] for n in ("q", "k", "v", "grad_out"))
+        assert gqa_module.backward_plan(q, k, v) == ("bwdx3/fp32/d%d" % D)
+        exact = uneven.reference_grads(q, k, v, grad_out)
+        ours, theirs = uneven.project_grads(q, k, v, grad_out), uneven.sdpa_efficient_grads(q, k, v, grad_out)
+        for name, a, b, ref in zip(("dq", "dk", "dv"), ours, theirs, exact):
+            (row_a, chan_a), (row_b, chan_b) = uneven.worst_errors(a, ref), uneven.worst_errors(b, ref)
+            what = (shape, which, by, lo, hi, name, row_a, row_b, chan_a, chan_b)
+            assert row_a <= 4 * max(row_b, 1e-7) and chan_a <= 4 * max(chan_b, 1e-7), what
+
+
+@needs_gpu
+def test_gpu_attention_routes_causal_and_runs_the_rest():
     """On CUDA tensors attention() with a causal geometry is causal_gqa_attention's result, bit for
-    bit; every other option raises a NotImplementedError naming it, and no kernel runs."""
+    bit; other geometries run the row-wise kernels; softcap raises a NotImplementedError naming it."""
     q, k, v = make_qkv(2, 65, 6, 2, 64, device="cuda", dtype=torch.bfloat16)
     expect = gqa_module.causal_gqa_attention(q, k, v)
     for kw in (dict(causal=True), dict(window_size=(-1, 0)), dict(causal=True, window_size=(64, 3)),
                dict(causal=True, softmax_scale=0.125)):
         assert torch.equal(gqa_module.attention(q, k, v, **kw), expect), kw
-    for kw, words in ((dict(), "causal=False"), (dict(causal=True, return_lse=True), "return_lse=True"),
-                      (dict(causal=True, softcap=5.0), "softcap=5.0"), (dict(causal=True, softmax_scale=0.2), "0.2")):
-        with pytest.raises(NotImplementedError) as info:
-            gqa_module.attention(q, k, v, **kw)
-        assert words in str(info.value) and "CPU tensors run every option" in str(info.value), str(info.value)
+    out, lse = gqa_module.attention(q, k, v, causal=True, return_lse=True)
+    assert torch.allclose(out.float(), expect.float(), atol=2e-2) and lse.shape == (2, 6, 65)
+    with pytest.raises(NotImplementedError) as info:
+        gqa_module.attention(q, k, v, causal=True, softcap=5.0)
+    assert "softcap=5.0" in str(info.value) and "CPU tensors run every option" in str(info.value), str(info.value)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
+def test_gpu_attention_every_mask_matches_float64(dtype, tol):
+    """CUDA attention() on every mask of MASKS but softcap at every (Tq, Tk) of LENGTHS, odd head_dim
+    and GQA 3:1: each output row and log-sum-exp against reference.attention_ref (rows that see no
+    key exactly 0 and -inf), and dq, dk, dv row by row against float64 autograd of the CPU path."""
+    for Tq, Tk in LENGTHS:
+        for causal, window, scale, softcap in MASKS:
+            if softcap:
+                continue
+            q, k, v = masked_qkv(2, Tq, Tk, 6, 2, 23, dtype)
+            geo = geometry_of(q, k, causal, window, scale, 0.0)
+            what = (dtype, Tq, Tk, causal, window, scale)
+            leaves = [t.cuda().requires_grad_(True) for t in (q, k, v)]
+            out, lse = gqa_module.attention(*leaves, causal=causal, window_size=window, softmax_scale=scale,
+                                            return_lse=True)
+            assert_rows_close(out.cpu(), lse.cpu(), *reference_of(q, k, v, geo), tol, what)
+            grad_out = torch.randn(out.shape, dtype=torch.float64)
+            grads = torch.autograd.grad(out, leaves, grad_out.to(dtype).cuda())
+            exact_leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
+            exact = torch.autograd.grad(gqa_geometry.attention_torch(*exact_leaves, geo)[0], exact_leaves,
+                                        grad_out.to(dtype).double())
+            for name, got, ref in zip(("dq", "dk", "dv"), grads, exact):
+                err = (got.cpu().double() - ref).abs().amax(dim=-1)
+                size = ref.abs().amax(dim=-1).clamp_min(1.0)
+                assert torch.all(err <= tol * (10 if dtype == torch.float32 else 1.5) * size), (
+                    what, name, float((err / size).max()))
+
+
+@needs_gpu
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_gpu_attention_rows_nonfinite_like_reference(which):
+    """NaN, +Inf and -Inf in one element of q, k or v, on the row-wise kernels of any geometry (Tq !=
+    Tk, windows, no mask): NaN, +Inf and -Inf of the output, the log-sum-exp and dq, dk, dv where the
+    float64 path (rows over the keys they see) puts them."""
+    for causal, window, (Tq, Tk) in ((True, (8, -1), (40, 65)), (False, (4, 4), (65, 40)), (False, (-1, -1), (65, 65))):
+        for pos, bad in ((0, NAN), (37, INF), (39, -INF)):
+            q, k, v = masked_qkv(1, Tq, Tk, 4, 2, 16, torch.float32)
+            dict(q=q, k=k, v=v)[which][0, pos, 1, 3] = bad
+            geo = geometry_of(q, k, causal, window, None, 0.0)
+            leaves = [t.cuda().requires_grad_(True) for t in (q, k, v)]
+            out, lse = gqa_module.attention(*leaves, causal=causal, window_size=window, return_lse=True)
+            grad_out = torch.randn(out.shape)
+            grads = torch.autograd.grad(out, leaves, grad_out.cuda())
+            exact_leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
+            ref_out, ref_lse = gqa_geometry.attention_torch(*exact_leaves, geo)
+            exact = torch.autograd.grad(ref_out, exact_leaves, grad_out.double())
+            for name, got, ref in (("out", out, ref_out), ("lse", lse, ref_lse), *zip(("dq", "dk", "dv"), grads, exact)):
+                for test in (torch.isnan, torch.isposinf, torch.isneginf):
+                    assert torch.equal(test(got.detach().cpu()), test(ref.detach())), (which, causal, window, pos,
+                                                                                       bad, name, test.__name__)
+
+
+# ------------------------------------------------------------------------------------------------
+# kernels/common/geometry.cuh: every range and coverage against FlashAttention's definition
+GEOMETRY_CHECK = r"""
+// Every range and coverage of common/geometry.cuh against the definition, pair by pair, over all
+// small geometries: prints "ok <cases>" or the first disagreement.
+#include <cstdio>
+#include "common/geometry.cuh"
+
+static bool sees_def(int Tq, int Tk, int L, int R, int i, int j) {   // FlashAttention's definition
+    if (i < 0 || i >= Tq || j < 0 || j >= Tk) return false;
+    const int a = i + Tk - Tq;
+    return (L < 0 || j >= a - L) && (R < 0 || j <= a + R);
+}
+
+static bool same(GqaRange r, int first, int last) {
+    return r.empty() ? first > last : r.first == first && r.last == last;
+}
+
+int main() {
+    long cases = 0;
+    for (int Tq = 0; Tq <= 7; ++Tq)
+    for (int Tk = 0; Tk <= 7; ++Tk)
+    for (int causal = 0; causal <= 1; ++causal)
+    for (int wl = -1; wl <= 8; ++wl)
+    for (int wr = -1; wr <= 8; ++wr) {
+        const GqaGeometry g = gqa_geometry(Tq, Tk, causal, wl, wr);
+        const int L = wl, R = causal ? 0 : wr;   // the arguments as given, before normalising
+        for (int i = -2; i < Tq + 2; ++i)
+            for (int j = -2; j < Tk + 2; ++j)
+                if (g.sees(i, j) != sees_def(Tq, Tk, L, R, i, j)) {
+                    printf("sees Tq=%d Tk=%d causal=%d window=(%d,%d) i=%d j=%d\n", Tq, Tk, causal, wl, wr, i, j);
+                    return 1;
+                }
+        for (int a0 = -2; a0 < 10; ++a0)
+        for (int a1 = a0 - 1; a1 < 10; ++a1) {
+            // rows [a0, a1]: keys seen by any, by all (rows outside the sequence see nothing)
+            int any_f = 1 << 20, any_l = -1, all_f = 1 << 20, all_l = -1;
+            bool rows_inside = a0 <= a1 && a0 >= 0 && a1 < Tq;
+            for (int j = 0; j < Tk; ++j) {
+                bool some = false, every = rows_inside;
+                for (int i = a0; i <= a1; ++i) some |= sees_def(Tq, Tk, L, R, i, j), every &= sees_def(Tq, Tk, L, R, i, j);
+                if (some) any_f = any_f < j ? any_f : j, any_l = j;
+                if (every) all_f = all_f < j ? all_f : j, all_l = j;
+            }
+            if (!same(g.keys_any(a0, a1), any_f, any_l) || !same(g.keys_all(a0, a1), all_f, all_l)) {
+                printf("keys Tq=%d Tk=%d causal=%d window=(%d,%d) rows=[%d,%d]\n", Tq, Tk, causal, wl, wr, a0, a1);
+                return 1;
+            }
+            // keys [a0, a1]: queries that see any, that see all
+            int qa_f = 1 << 20, qa_l = -1, ql_f = 1 << 20, ql_l = -1;
+            bool keys_inside = a0 <= a1 && a0 >= 0 && a1 < Tk;
+            for (int i = 0; i < Tq; ++i) {
+                bool some = false, every = keys_inside;
+                for (int j = a0; j <= a1; ++j) some |= sees_def(Tq, Tk, L, R, i, j), every &= sees_def(Tq, Tk, L, R, i, j);
+                if (some) qa_f = qa_f < i ? qa_f : i, qa_l = i;
+                if (every) ql_f = ql_f < i ? ql_f : i, ql_l = i;
+            }
+            if (!same(g.queries_any(a0, a1), qa_f, qa_l) || !same(g.queries_all(a0, a1), ql_f, ql_l)) {
+                printf("queries Tq=%d Tk=%d causal=%d window=(%d,%d) keys=[%d,%d]\n", Tq, Tk, causal, wl, wr, a0, a1);
+                return 1;
+            }
+            for (int tile = 1; tile <= 4; ++tile) {   // the tiles holding those keys and queries
+                const GqaRange kt = g.key_tiles(a0, a1, tile), qt = g.query_tiles(a0, a1, tile);
+                if (!same(kt, any_l < 0 ? 1 : any_f / tile, any_l < 0 ? 0 : any_l / tile) ||
+                    !same(qt, qa_l < 0 ? 1 : qa_f / tile, qa_l < 0 ? 0 : qa_l / tile)) {
+                    printf("tiles Tq=%d Tk=%d causal=%d window=(%d,%d) range=[%d,%d] tile=%d\n", Tq, Tk, causal, wl, wr,
+                           a0, a1, tile);
+                    return 1;
+                }
+            }
+            for (int b0 = -1; b0 < 9; ++b0)   // blocks rows [a0, a1] x keys [b0, b0 + 2]
+            for (int b1 = b0; b1 <= b0 + 2; ++b1) {
+                int seen = 0, pairs = 0;
+                for (int i = a0; i <= a1; ++i)
+                    for (int j = b0; j <= b1; ++j) seen += sees_def(Tq, Tk, L, R, i, j), ++pairs;
+                const GqaCoverage want = seen == 0 ? kGqaNone : seen == pairs ? kGqaFull : kGqaPartial;
+                if (pairs > 0 && g.coverage(a0, a1, b0, b1) != want) {
+                    printf("coverage Tq=%d Tk=%d causal=%d window=(%d,%d) rows=[%d,%d] keys=[%d,%d]\n", Tq, Tk, causal,
+                           wl, wr, a0, a1, b0, b1);
+                    return 1;
+                }
+                ++cases;
+            }
+        }
+    }
+    printf("ok %ld\n", cases);
+    return 0;
+}
+"""
+
+
+def test_geometry_ranges_match_the_definition(tmp_path):
+    """The geometry layer's sees, key and query ranges (any and all), tile ranges and block
+    coverage, compiled as host C++, against the definition pair by pair: every Tq and Tk in 0..7,
+    causal or not, every window side in -1..8 (normalised by gqa_geometry), row and key ranges
+    reaching past both ends, tiles of 1..4."""
+    source = tmp_path / "geometry_check.cpp"
+    source.write_text(GEOMETRY_CHECK)
+    exe = tmp_path / "geometry_check"
+    cxx = os.environ.get("CXX", "c++")
+    build = subprocess.run([cxx, "-std=c++17", "-O2", "-Wall", "-Werror", "-I", os.path.join(HERE, "kernels"),
+                            str(source), "-o", str(exe)], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-3000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.startswith("ok "), run.stdout + run.stderr
+    assert int(run.stdout.split()[1]) > 10 ** 7, run.stdout
 
 
 # ------------------------------------------------------------------------------------------------
@@ -3057,8 +3261,8 @@ def test_sanitizer_gradient_check_catches_wrong_gradients():
 @needs_cuda_torch
 def test_sanitizer_cases_take_their_plans_and_cover_every_plan():
     """Each case of bench/sanitize.py takes its declared plan on an H200 (plan_for's defaults), the
-    declared plans are exactly all_plans(), the backward runs in every dtype, and every plan also
-    runs with Inf/NaN injected."""
+    declared plans are exactly all_plans(), the backward and the row-wise kernels of any geometry
+    run in every dtype, and every plan also runs with Inf/NaN injected."""
     sanitize = _load_sanitize()
     wrong = []
     for plan, B, T, Hq, Hkv, D, dtype, aligned, allow_tf32 in sanitize.CASES:
@@ -3076,6 +3280,8 @@ def test_sanitizer_cases_take_their_plans_and_cover_every_plan():
         for width in ((64, 128, 256) if family == "bwdwg" else (64, 128))} | {
         "bwdwg/%s/d%d/fused" % (dtype, width) for dtype in ("fp16", "bf16") for width in (64, 128)}
     assert set(sanitize.BACKWARD_PLANS) == plans - declared
+    assert set(sanitize.GEOMETRY_PLANS) == {"rows/any/fp32", "rows/any/fp16", "rows/any/bf16"}
+    plans |= set(sanitize.GEOMETRY_PLANS)
     finite = {case[0] for case, nonfinite in sanitize.runs() if not nonfinite}
     nonfinite = {case[0] for case, nonfinite in sanitize.runs() if nonfinite}
     assert finite == nonfinite == plans, "plans without a finite or a non-finite run: %s" % sorted(
@@ -3141,7 +3347,9 @@ def test_committed_sanitizer_results_are_clean_for_the_current_kernels():
     # all_plans() needs the CUDA library; on a CPU-only torch the plans' coverage is left to the run
     # with a CUDA build of torch (CI runs both), and said below
     cuda_torch = torch.version.cuda is not None
-    plans = set(gqa_module.all_plans() if cuda_torch else ()) | set(_load_sanitize().BACKWARD_PLANS)
+    sanitize = _load_sanitize()
+    plans = set(gqa_module.all_plans() if cuda_torch else ())
+    plans |= set(sanitize.BACKWARD_PLANS) | set(sanitize.GEOMETRY_PLANS)
     for tool in SANITIZER_TOOLS:
         assert tool in data["tools"], "%s did not run" % tool
         result = data["tools"][tool]
