@@ -12,6 +12,12 @@ formed, their rules (one copy, here), and the PyTorch implementation that CPU te
 - A row that sees no key gives an output of 0 and a log-sum-exp of -inf (FlashAttention-3's rule).
 - The log-sum-exp is the natural log, laid out [B, Hq, Tq] as FlashAttention's, in float32
   (float64 for float64 inputs).
+- Packed sequences (attention_varlen, flash_attn_varlen_func's conventions): q [total_q, Hq, D],
+  k and v [total_k, Hkv, D]; sequence b is q rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1
+  against k and v rows cu_seqlens_k[b] .. cu_seqlens_k[b + 1] - 1 (only the first seqused_k[b]
+  of those where seqused_k is given), every rule above applying within each sequence. Rows of q
+  past cu_seqlens_q[-1] belong to no sequence: output 0 and log-sum-exp -inf. The log-sum-exp of
+  a packed call is [Hq, total_q].
 """
 
 import collections
@@ -22,6 +28,7 @@ import operator
 import torch
 
 Geometry = collections.namedtuple("Geometry", "Tq Tk causal left right scale softcap return_lse")
+Sequence = collections.namedtuple("Sequence", "q0 Tq k0 Tk")   # one sequence of a packed call
 
 
 def _is_real(x):
@@ -172,3 +179,95 @@ def cuda_gap(geo, D):
     if geo.softcap > 0:
         return "softcap=%r" % geo.softcap
     return None
+
+
+# ------------------------------------------------------------------------------------------------
+# Packed sequences
+def _seqlens(name, x, q, count=None):
+    """cu_seqlens_q, cu_seqlens_k or seqused_k as a list of ints, checked as FlashAttention takes
+    them: a 1-D int32 tensor on q's device (of `count` values where given)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError("attention_varlen: %s must be a torch.Tensor (int32), got %s" % (name, type(x).__name__))
+    if x.dtype != torch.int32 or x.dim() != 1:
+        raise ValueError("attention_varlen: %s must be a 1-D int32 tensor, got %s of shape %s"
+                         % (name, x.dtype, tuple(x.shape)))
+    if x.device != q.device:
+        raise ValueError("attention_varlen: %s must be on q's device %s, got %s" % (name, q.device, x.device))
+    if count is not None and x.numel() != count:
+        raise ValueError("attention_varlen: %s must have %d values (one per sequence), got %d"
+                         % (name, count, x.numel()))
+    return x.tolist()
+
+
+def _offsets(name, values, total, tensor_name):
+    """The checked offsets of one side: 0 first, never decreasing, the last at most the rows of
+    `tensor_name`."""
+    if not values or values[0] != 0:
+        raise ValueError("attention_varlen: %s must start with 0 (it has batch + 1 values), got %s"
+                         % (name, values[:4]))
+    for b in range(len(values) - 1):
+        if values[b + 1] < values[b]:
+            raise ValueError("attention_varlen: %s must not decrease, got %d then %d at %d"
+                             % (name, values[b], values[b + 1], b))
+    if values[-1] > total:
+        raise ValueError("attention_varlen: %s ends at %d, past the %d rows of %s"
+                         % (name, values[-1], total, tensor_name))
+    return values
+
+
+def varlen_sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None):
+    """The sequences of a packed call (q [total_q, Hq, D], k [total_k, Hkv, D]) as Sequence
+    tuples, or a TypeError or ValueError naming the argument and its rule. max_seqlen_q and
+    max_seqlen_k must be at least the longest sequence (FlashAttention sizes its grid by them; a
+    smaller one would leave rows unwritten there)."""
+    starts_q = _offsets("cu_seqlens_q", _seqlens("cu_seqlens_q", cu_seqlens_q, q), q.shape[0], "q")
+    starts_k = _offsets("cu_seqlens_k", _seqlens("cu_seqlens_k", cu_seqlens_k, q), k.shape[0], "k")
+    if len(starts_q) != len(starts_k):
+        raise ValueError("attention_varlen: cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), "
+                         "got %d and %d" % (len(starts_q), len(starts_k)))
+    batch = len(starts_q) - 1
+    lens_q = [starts_q[b + 1] - starts_q[b] for b in range(batch)]
+    lens_k = [starts_k[b + 1] - starts_k[b] for b in range(batch)]
+    if seqused_k is not None:
+        used = _seqlens("seqused_k", seqused_k, q, batch)
+        for b in range(batch):
+            if not 0 <= used[b] <= lens_k[b]:
+                raise ValueError("attention_varlen: seqused_k[%d] must be in 0 .. %d (that sequence's keys in "
+                                 "cu_seqlens_k), got %d" % (b, lens_k[b], used[b]))
+        lens_k = used
+    for name, given, lens in (("max_seqlen_q", max_seqlen_q, lens_q), ("max_seqlen_k", max_seqlen_k, lens_k)):
+        try:
+            value = None if isinstance(given, bool) else operator.index(given)
+        except TypeError:
+            value = None
+        if value is None:
+            raise TypeError("attention_varlen: %s must be an int, got %s" % (name, type(given).__name__))
+        if value < max(lens, default=0):
+            raise ValueError("attention_varlen: %s (%d) must be at least the longest sequence (%d)"
+                             % (name, value, max(lens, default=0)))
+    return [Sequence(starts_q[b], lens_q[b], starts_k[b], lens_k[b]) for b in range(batch)]
+
+
+def per_sequence(run, q, k, v, seqs, return_lse):
+    """A packed call assembled from one call per sequence: run(q_b, k_b, v_b) on [1, T, H, D]
+    slices gives (out [1, Tq, Hq, D], lse [1, Hq, Tq] or None); -> out [total_q, Hq, D], and lse
+    [Hq, total_q] with return_lse. Rows past the last sequence: output 0, log-sum-exp -inf.
+    Differentiable where run is."""
+    total_q, Hq, D = q.shape
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    outs, lses, row = [], [], 0
+    def gap(rows):   # rows of no sequence
+        outs.append(q.new_zeros(rows, Hq, D))
+        lses.append(torch.full((Hq, rows), -math.inf, dtype=lse_dtype, device=q.device))
+    for seq in seqs:   # cu_seqlens_q's sequences lie one after another from row 0
+        if seq.Tq == 0:
+            continue
+        keys = slice(seq.k0, seq.k0 + seq.Tk)
+        out, lse = run(q[seq.q0:seq.q0 + seq.Tq].unsqueeze(0), k[keys].unsqueeze(0), v[keys].unsqueeze(0))
+        outs.append(out[0])
+        lses.append(lse[0] if lse is not None else None)
+        row = seq.q0 + seq.Tq
+    if row < total_q or not outs:
+        gap(total_q - row)
+    out = torch.cat(outs, dim=0)
+    return (out, torch.cat(lses, dim=1)) if return_lse else out

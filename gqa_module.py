@@ -762,6 +762,35 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     geo = gqa_geometry.arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse)
     out, lse = gqa_geometry.attention_torch(q, k, v, geo)
     return (out, lse) if return_lse else out
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                     softmax_scale=None, window_size=(-1, -1), softcap=0.0, seqused_k=None, return_lse=False):
+    """Packed sequences with flash_attn_varlen_func's arguments and meanings (gqa_geometry.py):
+    q [total_q, Hq, D], k and v [total_k, Hkv, D], int32 cu_seqlens_q and cu_seqlens_k of batch + 1
+    offsets, optional int32 seqused_k -> out [total_q, Hq, D], or (out, lse [Hq, total_q]). Every
+    option of attention() applies within each sequence (causal aligned bottom-right per sequence).
+
+    This version runs one attention() call per sequence (on CUDA tensors, attention()'s kernels,
+    the row-wise ones where a sequence is not causal with Tq = Tk), after reading the offsets to
+    the host: correct, not yet a single launch."""
+    import gqa_geometry
+
+    _require_tensors(q, k, v, "attention_varlen")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 3:
+            raise ValueError("attention_varlen: %s must be 3-D (total, heads, head_dim), got shape %s"
+                             % (name, tuple(x.shape)))
+    if not _on_cuda(q, k, v):
+        load_cpu_library().check_inputs.default(q[None], k[None], v[None], "attention_varlen", False)
+    seqs = gqa_geometry.varlen_sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
+    options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
+    gqa_geometry.arguments(q[None], k[None], return_lse=return_lse, **options)   # the options' rules, once
+
+    def run(q_b, k_b, v_b):
+        result = attention(q_b, k_b, v_b, return_lse=return_lse, **options)
+        return result if return_lse else (result, None)
+    return gqa_geometry.per_sequence(run, q, k, v, seqs, return_lse)
 # bundle: end general-entry
 
 
@@ -849,6 +878,11 @@ _BUNDLE_REGIONS = {
     "general-entry": '''def attention(q, k, v, **options):
     raise RuntimeError("attention: this single-file build of gqa_module runs causal_gqa_attention and "
                        "ModelNew only; gqa_module.py (with gqa_geometry.py beside it) has attention.")
+
+
+def attention_varlen(q, k, v, *args, **options):
+    raise RuntimeError("attention_varlen: this single-file build of gqa_module runs causal_gqa_attention and "
+                       "ModelNew only; gqa_module.py (with gqa_geometry.py beside it) has attention_varlen.")
 ''',
     "command-line": '''# ------------------------------------------------------------------------------------------------
 # Run as a script (as a harness that precompiles does): build or find the library, and load it.

@@ -5,20 +5,23 @@
     model = AutoModelForCausalLM.from_config(config, attn_implementation="gqa_causal")
 
 `register` adds an attention function and its mask function under one name (transformers'
-`AttentionInterface` and `AttentionMaskInterface`). The attention function serves what the library
-computes: causal self-attention with Tq = Tk, scale 1/sqrt(head_dim), no dropout, no mask beyond the
-causal one. The mask function is transformers' own SDPA mask, which comes out as None exactly where
-the causal mask alone is the mask; a batch with padding, packed sequences (position_ids that
-restart, or cu_seq_lens), a sliding window shorter than the keys, a soft cap, another scale, dropout
-or Tq != Tk (generation over a KV cache) is never served silently: by default it raises a ValueError
-naming what the library does not support; with `fallback="sdpa"` that call runs transformers' SDPA
-attention instead, and the first call of each kind says so on stderr. While torch.compile traces a
-model, transformers builds a mask from position_ids for every batch (it cannot tell one sequence
-from packed ones then), so compiled models are served only through that fallback.
+`AttentionInterface` and `AttentionMaskInterface`). The attention function runs
+`gqa_module.attention` wherever the mask is the causal one (aligned bottom-right, so a step of
+generation over a KV cache with no padding is served too), with the module's scaling and soft cap,
+and non-causal modules. The mask function is transformers' own SDPA mask, which comes out as None
+exactly where the causal mask alone is the mask; a batch with padding, packed sequences
+(position_ids that restart, or cu_seq_lens), a sliding window shorter than the keys, a static
+cache's unfilled slots, dropout, or an option the tensors' device does not run (softcap on CUDA) is
+never served silently: by default it raises a ValueError naming what the library does not support;
+with `fallback="sdpa"` that call runs transformers' SDPA attention instead, and the first call of
+each kind says so on stderr. While torch.compile traces a model, transformers builds a mask from
+position_ids for every batch (it cannot tell one sequence from packed ones then), so compiled
+models are served only through that fallback.
 """
 
-import math
 import sys
+
+import torch
 
 import gqa_module
 
@@ -29,24 +32,21 @@ _SAID = set()
 
 def _unsupported(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, kwargs):
     """What of this call the library does not compute, in words ([] when it serves the call)."""
-    D, Tq, Tk = query.shape[-1], query.shape[2], key.shape[2]
+    Tq, Tk = query.shape[2], key.shape[2]
     reasons = []
     if attention_mask is not None:
-        reasons.append("an attention mask beyond the causal one (padding, packed sequences or a custom mask)")
+        reasons.append("an attention mask beyond the causal one (padding, packed sequences, a static cache's "
+                       "unfilled slots or a custom mask)")
     if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None:
         reasons.append("packed sequences (cu_seq_lens)")
-    if Tq != Tk:
-        reasons.append("a query length (%d) other than the key length (%d), as in generation over a KV cache" % (Tq, Tk))
-    if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
-        reasons.append("non-causal attention")
     if sliding_window is not None and Tk > sliding_window:
         reasons.append("a sliding window (%d) shorter than the keys (%d)" % (sliding_window, Tk))
-    if softcap:
-        reasons.append("a soft cap on the scores (%g)" % softcap)
+    if Tq > Tk:
+        reasons.append("more queries (%d) than keys (%d)" % (Tq, Tk))
     if dropout:
         reasons.append("attention dropout (%g)" % dropout)
-    if scaling is not None and not math.isclose(scaling, D ** -0.5, rel_tol=1e-6):
-        reasons.append("softmax scale %g (the library takes 1/sqrt(head_dim) = %g)" % (scaling, D ** -0.5))
+    if query.is_cuda and softcap:
+        reasons.append("a soft cap on the scores (%g) on CUDA tensors" % softcap)
     if kwargs.get("output_attentions"):
         reasons.append("output_attentions")
     if kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None:
@@ -65,8 +65,11 @@ def _attention(name):
         # query [B, Hq, Tq, D], key and value [B, Hkv, Tk, D]; the output is [B, Tq, Hq, D].
         reasons = _unsupported(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
                                kwargs)
-        if not reasons:
-            return gqa_module.causal_gqa_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)), None
+        if not reasons:   # no mask: causal (aligned bottom-right) over every key, or none
+            causal = getattr(module, "is_causal", True) and kwargs.get("is_causal") is not False
+            out = gqa_module.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                       causal=causal, softmax_scale=scaling, softcap=softcap or 0.0)
+            return out, None
         if _FALLBACK.get(name) != "sdpa":
             raise ValueError("gqa_transformers (%s): the library does not support %s. Register with "
                              "fallback=\"sdpa\" to run such calls through transformers' SDPA attention, or use "
@@ -90,8 +93,12 @@ def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_functio
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     causal = mask_function is None or mask_function is causal_mask_function or (local_size is not None and kv_length < local_size)
-    if (causal and allow_is_causal_skip and attention_mask is None and q_length == kv_length
-            and isinstance(q_offset, int) and q_offset == 0 and kv_offset == 0):
+    # No padding, and the queries are the last q_length of the keys (a dynamic cache's chunk, or no
+    # cache): the causal mask aligned bottom-right, the library's causal=True
+    no_padding = attention_mask is None or (attention_mask.dtype in (torch.bool, torch.int64, torch.int32)
+                                            and not torch.compiler.is_compiling() and bool(attention_mask.all()))
+    if (causal and allow_is_causal_skip and no_padding and isinstance(q_offset, int) and kv_offset == 0
+            and q_offset + q_length == kv_length):
         return None
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, mask_function=mask_function or causal_mask_function,

@@ -664,12 +664,164 @@ def test_flash_attention_stand_in_maps_its_arguments():
     qkv = torch.stack([q[:, :, :2], k, v], dim=2)
     assert torch.equal(flash_attn.flash_attn_qkvpacked_func(qkv, causal=True),
                        gqa_module.attention(q[:, :, :2], k, v, causal=True))
+    cu = torch.tensor([0, 33], dtype=torch.int32)
     for call, feature in ((lambda: flash_attn.flash_attn_func(q, k, v, 0.1), "dropout"),
                           (lambda: flash_attn.flash_attn_func(q, k, v, alibi_slopes=torch.ones(2, 6)), "alibi"),
-                          (lambda: flash_attn.flash_attn_varlen_func(q, k, v), "varlen"),
+                          (lambda: flash_attn.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 33, 33,
+                                                                      block_table=cu), "paged kv"),
                           (lambda: flash_attn.flash_attn_with_kvcache(q, k, v), "kvcache")):
         with pytest.raises(pytest.skip.Exception, match="unsupported: " + feature):
             call()
+    cu = torch.tensor([0, 20, 33], dtype=torch.int32)
+    out, lse, _ = flash_attn.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 20, 20, return_attn_probs=True, **kw)
+    expect_out, expect_lse = gqa_module.attention_varlen(q[0], k[0], v[0], cu, cu, 20, 20, return_lse=True, **kw)
+    assert torch.equal(out, expect_out) and torch.equal(lse, expect_lse)
+    assert torch.equal(flash_attn.flash_attn_varlen_kvpacked_func(q[0], torch.stack([k[0], v[0]], dim=1), cu, cu,
+                                                                  20, 20, **kw), expect_out)
+
+
+# ------------------------------------------------------------------------------------------------
+# attention_varlen: packed sequences
+# (Tq, Tk) of one packed batch: one query, sequences of no query or no key, Tq > Tk (rows that see
+# no key under causal masks), Tq < Tk
+VARLEN_LENGTHS = [(1, 1), (63, 65), (0, 7), (65, 63), (5, 0), (100, 1), (17, 40)]
+
+
+def packed_qkv(lengths, Hq, Hkv, D, dtype, extra_q=0, extra_k=0, device="cpu"):
+    """q [total_q + extra_q, Hq, D], k and v [total_k + extra_k, Hkv, D] (random, the extra rows
+    in no sequence) and int32 cu_seqlens_q, cu_seqlens_k of `lengths`."""
+    cu_q = torch.tensor([0] + [sum(t for t, _ in lengths[:b + 1]) for b in range(len(lengths))], dtype=torch.int32)
+    cu_k = torch.tensor([0] + [sum(t for _, t in lengths[:b + 1]) for b in range(len(lengths))], dtype=torch.int32)
+    q = make_qkv(1, int(cu_q[-1]) + extra_q, Hq, Hkv, D, dtype=dtype)[0][0]
+    _, k, v = make_qkv(1, int(cu_k[-1]) + extra_k, Hq, Hkv, D, dtype=dtype)
+    return q.to(device), k[0].to(device), v[0].to(device), cu_q.to(device), cu_k.to(device)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_attention_varlen_cpu_matches_float64_per_sequence(dtype, tol):
+    """attention_varlen on CPU tensors, every mask of MASKS over VARLEN_LENGTHS packed in one call
+    (GQA 3:1, odd head_dim, two rows of q past the last sequence): each sequence's output rows and
+    log-sum-exp against reference.attention_ref on that sequence alone; the rows past the end 0
+    and -inf; the same again with seqused_k using part of each sequence's keys."""
+    q, k, v, cu_q, cu_k = packed_qkv(VARLEN_LENGTHS, 6, 2, 23, dtype, extra_q=2, extra_k=3)
+    lens_k = (cu_k[1:] - cu_k[:-1]).tolist()
+    for seqused in (None, torch.tensor([(n + 1) // 2 for n in lens_k], dtype=torch.int32)):
+        for causal, window, scale, softcap in MASKS:
+            what = (dtype, causal, window, scale, softcap, seqused is not None)
+            out, lse = gqa_module.attention_varlen(q, k, v, cu_q, cu_k, 100, 65, causal=causal, window_size=window,
+                                                   softmax_scale=scale, softcap=softcap, seqused_k=seqused,
+                                                   return_lse=True)
+            assert out.shape == q.shape and out.dtype == dtype and lse.shape == (6, q.shape[0]), what
+            for b in range(len(VARLEN_LENGTHS)):
+                rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+                used = int(cu_k[b + 1] - cu_k[b]) if seqused is None else int(seqused[b])
+                keys = slice(int(cu_k[b]), int(cu_k[b]) + used)
+                q_b, k_b, v_b = q[rows][None], k[keys][None], v[keys][None]
+                geo = geometry_of(q_b, k_b, causal, window, scale, softcap)
+                assert_rows_close(out[rows][None], lse[:, rows][None], *reference_of(q_b, k_b, v_b, geo), tol,
+                                  what + (b,))
+            assert torch.all(out[-2:] == 0) and torch.all(torch.isneginf(lse[:, -2:])), what
+
+
+def test_attention_varlen_cpu_gradients_equal_per_sequence_calls():
+    """A packed batch's gradients are those of one attention() call per sequence, bitwise (the CPU
+    path computes each sequence alone), every mask of MASKS; keys past a sequence's seqused_k and
+    rows in no sequence get zero gradients."""
+    q, k, v, cu_q, cu_k = packed_qkv(VARLEN_LENGTHS, 6, 2, 23, torch.float32, extra_q=2, extra_k=3)
+    seqused = torch.tensor([max(0, int(cu_k[b + 1] - cu_k[b]) - 1) for b in range(len(VARLEN_LENGTHS))],
+                           dtype=torch.int32)
+    for causal, window, scale, softcap in MASKS:
+        kw = dict(causal=causal, window_size=window, softmax_scale=scale, softcap=softcap)
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = gqa_module.attention_varlen(*leaves, cu_q, cu_k, 100, 65, seqused_k=seqused, **kw)
+        grad_out = torch.randn_like(out)
+        packed = torch.autograd.grad(out, leaves, grad_out)
+        expect = [torch.zeros_like(t) for t in (q, k, v)]
+        for b in range(len(VARLEN_LENGTHS)):
+            rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+            keys = slice(int(cu_k[b]), int(cu_k[b]) + int(seqused[b]))
+            if rows.stop == rows.start:
+                continue
+            parts = [t[span].clone().requires_grad_(True) for t, span in zip((q, k, v), (rows, keys, keys))]
+            alone = gqa_module.attention(*(p[None] for p in parts), **kw)
+            assert torch.equal(alone[0], out[rows].detach()), (kw, b)
+            for e, g, span in zip(expect, torch.autograd.grad(alone, parts, grad_out[rows][None]), (rows, keys, keys)):
+                e[span] = g
+        for name, got, want in zip("qkv", packed, expect):
+            assert torch.equal(got, want), (kw, name)
+
+
+def test_attention_varlen_nonfinite_stays_in_its_sequence():
+    """NaN or Inf in one sequence's q, k or v reaches that sequence's rows (as the float64
+    reference puts it) and no other sequence's."""
+    q, k, v, cu_q, cu_k = packed_qkv(VARLEN_LENGTHS, 4, 2, 16, torch.float32)
+    clean = gqa_module.attention_varlen(q, k, v, cu_q, cu_k, 100, 65, causal=True)
+    for which, bad in (("q", NAN), ("k", INF), ("v", -INF)):
+        tensors = dict(q=q.clone(), k=k.clone(), v=v.clone())
+        cu = cu_q if which == "q" else cu_k
+        tensors[which][int(cu[1]) + 2, 1, 3] = bad   # in sequence 1
+        out = gqa_module.attention_varlen(tensors["q"], tensors["k"], tensors["v"], cu_q, cu_k, 100, 65, causal=True)
+        others = torch.ones(q.shape[0], dtype=torch.bool)
+        others[int(cu_q[1]):int(cu_q[2])] = False
+        assert torch.equal(out[others], clean[others]), which
+        q_b, k_b, v_b = (tensors[n][span][None] for n, span in (("q", slice(int(cu_q[1]), int(cu_q[2]))),
+                                                                 ("k", slice(int(cu_k[1]), int(cu_k[2]))),
+                                                                 ("v", slice(int(cu_k[1]), int(cu_k[2])))))
+        ref, _ = reference.attention_ref(q_b, k_b, v_b, causal=True)
+        got = out[int(cu_q[1]):int(cu_q[2])][None]
+        for test in (torch.isnan, torch.isposinf, torch.isneginf):
+            assert torch.equal(test(got), test(ref)), (which, test.__name__)
+
+
+def test_attention_varlen_rules_name_the_argument():
+    """Offsets as FlashAttention takes them (1-D int32 on q's device, from 0, never decreasing,
+    within the tensors), max_seqlen_q/k at least the longest sequence, seqused_k within each
+    sequence's keys, 3-D tensors: each broken rule a ValueError or TypeError naming the argument."""
+    q, k, v, cu_q, cu_k = packed_qkv([(3, 4), (5, 2)], 4, 2, 8, torch.float32)
+    call = lambda **over: gqa_module.attention_varlen(**{**dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                                                  max_seqlen_q=5, max_seqlen_k=4), **over})
+    assert call().shape == q.shape
+    cases = [(dict(cu_seqlens_q=cu_q.long()), ValueError, "cu_seqlens_q must be a 1-D int32"),
+             (dict(cu_seqlens_k=[0, 4, 6]), TypeError, "cu_seqlens_k must be a torch.Tensor"),
+             (dict(cu_seqlens_q=torch.tensor([1, 3, 8], dtype=torch.int32)), ValueError, "cu_seqlens_q must start with 0"),
+             (dict(cu_seqlens_k=torch.tensor([0, 4, 3], dtype=torch.int32)), ValueError, "cu_seqlens_k must not decrease"),
+             (dict(cu_seqlens_q=torch.tensor([0, 3, 9], dtype=torch.int32)), ValueError, "past the 8 rows of q"),
+             (dict(cu_seqlens_k=torch.tensor([0, 4], dtype=torch.int32)), ValueError, "the same length"),
+             (dict(max_seqlen_q=4), ValueError, r"max_seqlen_q \(4\) must be at least the longest sequence \(5\)"),
+             (dict(max_seqlen_k=4.0), TypeError, "max_seqlen_k must be an int"),
+             (dict(seqused_k=torch.tensor([4, 3], dtype=torch.int32)), ValueError, r"seqused_k\[1\] must be in 0 .. 2"),
+             (dict(seqused_k=torch.tensor([4], dtype=torch.int32)), ValueError, "seqused_k must have 2 values"),
+             (dict(q=q[None]), ValueError, "q must be 3-D"),
+             (dict(q=q[:, :3]), ValueError, "attention_varlen"),
+             (dict(window_size=(-2, 0)), ValueError, r"window_size\[0\]")]
+    for over, error, message in cases:
+        with pytest.raises(error, match=message):
+            call(**over)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_gpu_attention_varlen_matches_float64_per_sequence(dtype, tol):
+    """attention_varlen on CUDA tensors (attention()'s kernels per sequence) against float64 per
+    sequence, every mask of MASKS but softcap, outputs and log-sum-exp row by row, and gradients
+    row by row against float64 autograd of the CPU path."""
+    q, k, v, cu_q, cu_k = packed_qkv(VARLEN_LENGTHS, 6, 2, 23, dtype, extra_q=2)
+    for causal, window, scale, softcap in MASKS:
+        if softcap:
+            continue
+        kw = dict(causal=causal, window_size=window, softmax_scale=scale)
+        leaves = [t.cuda().requires_grad_(True) for t in (q, k, v)]
+        out, lse = gqa_module.attention_varlen(*leaves, cu_q.cuda(), cu_k.cuda(), 100, 65, return_lse=True, **kw)
+        exact_leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
+        exact_out, exact_lse = gqa_module.attention_varlen(*exact_leaves, cu_q, cu_k, 100, 65, return_lse=True, **kw)
+        assert_rows_close(out.cpu()[None], lse.cpu()[None], exact_out.detach()[None], exact_lse.detach()[None], tol, kw)
+        grad_out = torch.randn(out.shape, dtype=torch.float64).to(dtype)
+        grads = torch.autograd.grad(out, leaves, grad_out.cuda())
+        exact = torch.autograd.grad(exact_out, exact_leaves, grad_out.double())
+        for name, got, ref in zip(("dq", "dk", "dv"), grads, exact):
+            err = (got.cpu().double() - ref).abs().amax(dim=-1)
+            size = ref.abs().amax(dim=-1).clamp_min(1.0)
+            assert torch.all(err <= tol * (10 if dtype == torch.float32 else 1.5) * size), (kw, name)
 
 
 def test_attention_cuda_routes_name_the_option():
@@ -937,10 +1089,30 @@ def test_transformers_training_step_matches_sdpa(family):
 
 
 @needs_transformers
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_transformers_generation_and_scaling_match_sdpa(family):
+    """Served by the library (CPU: its PyTorch path; registered with no fallback, so a call it did
+    not serve would raise): greedy generate() over a dynamic KV cache (prefill, then one query
+    against the cache per step: causal aligned bottom-right) gives SDPA's tokens; a non-default
+    scaling gives SDPA's logits."""
+    import gqa_transformers
+    name = gqa_transformers.register()
+    ours, ref = tiny_causal_lm(family, name), tiny_causal_lm(family, "sdpa")
+    ids = torch.randint(0, 128, (2, 12))
+    kwargs = dict(attention_mask=torch.ones(2, 12, dtype=torch.long), max_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        assert torch.equal(ours.generate(ids, **kwargs), ref.generate(ids, **kwargs))
+        for model in (ours, ref):
+            for layer in model.model.layers:
+                layer.self_attn.scaling = 0.3
+        assert torch.allclose(ours(ids).logits, ref(ids).logits, atol=1e-5)
+
+
+@needs_transformers
 def test_transformers_never_drops_a_mask():
     """What the library does not compute raises a ValueError naming it: a left-padded batch, packed
-    sequences (position_ids restarting), a sliding window shorter than the keys, generation (1
-    query against a KV cache); an all-ones padding mask and a window longer than the keys run."""
+    sequences (position_ids restarting), a sliding window shorter than the keys, left-padded
+    generation; an all-ones padding mask and a window longer than the keys run."""
     import gqa_transformers
     name = gqa_transformers.register()
     model = tiny_causal_lm("llama", name)
@@ -950,9 +1122,8 @@ def test_transformers_never_drops_a_mask():
     packed = torch.cat([torch.arange(20), torch.arange(20)]).view(1, 40)
     cases = [("attention mask", lambda: model(ids, attention_mask=padded)),
              ("attention mask", lambda: model(ids[:1], position_ids=packed, use_cache=False)),
-             ("query length (1) other than the key length (9)",
-              lambda: model.generate(ids[:, :8], attention_mask=torch.ones(2, 8, dtype=torch.long), max_new_tokens=2,
-                                     do_sample=False)),
+             ("attention mask",
+              lambda: model.generate(ids[:, :8], attention_mask=padded[:, :8], max_new_tokens=2, do_sample=False)),
              ("sliding window (16) shorter than the keys (40)", lambda: tiny_causal_lm("mistral", name, sliding_window=16)(ids))]
     for words, call in cases:
         with pytest.raises(ValueError, match=re.escape(words)):
@@ -965,9 +1136,9 @@ def test_transformers_never_drops_a_mask():
 
 @needs_transformers
 def test_transformers_fallback_runs_sdpa_and_says_so_once(capfd):
-    """Registered with fallback="sdpa": a padded batch's logits and greedy generation's tokens equal
-    SDPA's, each kind of call the library does not serve is named once on stderr, and calls it
-    serves stay with the library."""
+    """Registered with fallback="sdpa": a padded batch's logits, left-padded greedy generation's
+    tokens and a short sliding window's logits equal SDPA's, each kind of call the library does not
+    serve is named once on stderr, and calls it serves stay with the library."""
     import gqa_transformers
     name = gqa_transformers.register("gqa_causal_or_sdpa", fallback="sdpa")
     ours, ref = tiny_causal_lm("qwen2", name), tiny_causal_lm("qwen2", "sdpa")
@@ -977,11 +1148,13 @@ def test_transformers_fallback_runs_sdpa_and_says_so_once(capfd):
     with torch.no_grad():
         for _ in range(2):
             assert torch.allclose(ours(ids, attention_mask=padded).logits, ref(ids, attention_mask=padded).logits, atol=1e-6)
-        kwargs = dict(attention_mask=torch.ones(2, 6, dtype=torch.long), max_new_tokens=4, do_sample=False)
+        kwargs = dict(attention_mask=padded[:, :6], max_new_tokens=4, do_sample=False)
         assert torch.equal(ours.generate(ids[:, :6], **kwargs), ref.generate(ids[:, :6], **kwargs))
+        windowed = [tiny_causal_lm("mistral", attn, sliding_window=16) for attn in (name, "sdpa")]
+        assert torch.allclose(windowed[0](ids).logits, windowed[1](ids).logits, atol=1e-6)
     said = [line for line in capfd.readouterr().err.splitlines() if line.startswith("gqa_transformers")]
     assert len(said) == len(set(said)) >= 2 and all("runs transformers' SDPA attention" in line for line in said), said
-    assert any("attention mask" in line for line in said) and any("query length (1)" in line for line in said), said
+    assert any("attention mask" in line for line in said) and any("sliding window (16)" in line for line in said), said
 
 
 @needs_gpu

@@ -6,7 +6,7 @@
 
 bench/fa_shim/flash_attn maps flash_attn_func, flash_attn_kvpacked_func and
 flash_attn_qkvpacked_func onto gqa_module.attention (FlashAttention 2's arguments); what the
-library does not compute (dropout, ALiBi, varlen, KV cache, and on CUDA tensors the options the
+library does not compute (dropout, ALiBi, paged and cached KV, and on CUDA tensors the options the
 kernels do not run yet) skips with "unsupported: <feature>". The test file runs as it is but for
 one change with --device cpu: its "cuda" device strings become "cpu", and torch.cuda's device
 queries answer as an 80 GB sm_90 GPU would (its skips for small GPUs and old architectures then
