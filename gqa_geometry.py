@@ -18,6 +18,11 @@ formed, their rules (one copy, here), and the PyTorch implementation that CPU te
   of those where seqused_k is given), every rule above applying within each sequence. Rows of q
   past cu_seqlens_q[-1] belong to no sequence: output 0 and log-sum-exp -inf. The log-sum-exp of
   a packed call is [Hq, total_q].
+- A KV cache (attention_with_kvcache, flash_attn_with_kvcache's conventions): batch row b of q
+  [B, Tq, Hq, D] attends cache rows cache_leftpad[b] .. cache_seqlens[b] + Tnew - 1 of its cache
+  (row cache_batch_idx[b] of k_cache [B_cache, Tk_max, Hkv, D], or the pages page_table[b] of a pool
+  [pages, page_size, Hkv, D]), after k and v [B, Tnew, Hkv, D] are written there in place from
+  position cache_seqlens[b]; every rule above applying to each row's keys.
 """
 
 import collections
@@ -183,19 +188,18 @@ def cuda_gap(geo, D):
 
 # ------------------------------------------------------------------------------------------------
 # Packed sequences
-def _seqlens(name, x, q, count=None):
-    """cu_seqlens_q, cu_seqlens_k or seqused_k as a list of ints, checked as FlashAttention takes
-    them: a 1-D int32 tensor on q's device (of `count` values where given)."""
+def _seqlens(name, x, q, count=None, entry="attention_varlen"):
+    """cu_seqlens_q, cu_seqlens_k, seqused_k (or a KV cache's per-row ints) as a list of ints,
+    checked as FlashAttention takes them: a 1-D int32 tensor on q's device (of `count` values
+    where given)."""
     if not isinstance(x, torch.Tensor):
-        raise TypeError("attention_varlen: %s must be a torch.Tensor (int32), got %s" % (name, type(x).__name__))
+        raise TypeError("%s: %s must be a torch.Tensor (int32), got %s" % (entry, name, type(x).__name__))
     if x.dtype != torch.int32 or x.dim() != 1:
-        raise ValueError("attention_varlen: %s must be a 1-D int32 tensor, got %s of shape %s"
-                         % (name, x.dtype, tuple(x.shape)))
+        raise ValueError("%s: %s must be a 1-D int32 tensor, got %s of shape %s" % (entry, name, x.dtype, tuple(x.shape)))
     if x.device != q.device:
-        raise ValueError("attention_varlen: %s must be on q's device %s, got %s" % (name, q.device, x.device))
+        raise ValueError("%s: %s must be on q's device %s, got %s" % (entry, name, q.device, x.device))
     if count is not None and x.numel() != count:
-        raise ValueError("attention_varlen: %s must have %d values (one per sequence), got %d"
-                         % (name, count, x.numel()))
+        raise ValueError("%s: %s must have %d values (one per sequence), got %d" % (entry, name, count, x.numel()))
     return x.tolist()
 
 
@@ -271,3 +275,85 @@ def per_sequence(run, q, k, v, seqs, return_lse):
         gap(total_q - row)
     out = torch.cat(outs, dim=0)
     return (out, torch.cat(lses, dim=1)) if return_lse else out
+
+
+# ------------------------------------------------------------------------------------------------
+# KV caches
+def _per_row(name, x, q, batch, default):
+    """cache_seqlens, cache_batch_idx or cache_leftpad as a list of `batch` ints: `default` for
+    None, an int for every row, or a 1-D int32 tensor on q's device."""
+    if x is None:
+        return [default] * batch
+    if isinstance(x, int) and not isinstance(x, bool) and name == "cache_seqlens":
+        return [x] * batch
+    if not isinstance(x, torch.Tensor):
+        raise TypeError("attention_with_kvcache: %s must be a torch.Tensor (int32)%s, got %s"
+                        % (name, " or an int" if name == "cache_seqlens" else "", type(x).__name__))
+    return _seqlens(name, x, q, batch, "attention_with_kvcache")
+
+
+def kvcache_rows(q, k_cache, k_new, cache_seqlens, cache_batch_idx, cache_leftpad, page_table):
+    """Where each batch row's keys lie in a KV cache: a list of (cache index or page list, first
+    key, end of the keys, where k_new goes), checked, or a TypeError or ValueError naming the
+    argument and its rule. Tk_max is k_cache's rows (page_table's pages times the page size)."""
+    B = q.shape[0]
+    if page_table is not None:
+        if not isinstance(page_table, torch.Tensor) or page_table.dtype != torch.int32 or page_table.dim() != 2 \
+                or page_table.shape[0] != B:
+            raise ValueError("attention_with_kvcache: page_table must be an int32 tensor [batch (%d), pages], got %s"
+                             % (B, tuple(page_table.shape) if isinstance(page_table, torch.Tensor) else type(page_table).__name__))
+        if page_table.device != q.device:
+            raise ValueError("attention_with_kvcache: page_table must be on q's device %s, got %s"
+                             % (q.device, page_table.device))
+        if cache_batch_idx is not None or cache_leftpad is not None:
+            raise ValueError("attention_with_kvcache: cache_batch_idx and cache_leftpad take a contiguous cache, "
+                             "not page_table (as FlashAttention)")
+        pages = page_table.tolist()
+        for b, row in enumerate(pages):
+            for page in row:
+                if not 0 <= page < k_cache.shape[0]:
+                    raise ValueError("attention_with_kvcache: page_table[%d] holds page %d, outside the %d pages "
+                                     "of k_cache" % (b, page, k_cache.shape[0]))
+        tk_max = page_table.shape[1] * k_cache.shape[1]
+    else:
+        tk_max = k_cache.shape[1]
+    seqlens = _per_row("cache_seqlens", cache_seqlens, q, B, tk_max)
+    index = _per_row("cache_batch_idx", cache_batch_idx, q, B, None)
+    leftpad = _per_row("cache_leftpad", cache_leftpad, q, B, 0)
+    t_new = 0 if k_new is None else k_new.shape[1]
+    rows = []
+    for b in range(B):
+        if not 0 <= seqlens[b] <= tk_max - t_new:
+            raise ValueError("attention_with_kvcache: cache_seqlens[%d] must be in 0 .. %d (the cache's %d rows less "
+                             "the %d new keys), got %d" % (b, tk_max - t_new, tk_max, t_new, seqlens[b]))
+        if not 0 <= leftpad[b] <= seqlens[b]:
+            raise ValueError("attention_with_kvcache: cache_leftpad[%d] must be in 0 .. cache_seqlens[%d] (%d), got %d"
+                             % (b, b, seqlens[b], leftpad[b]))
+        where = pages[b] if page_table is not None else (b if index[b] is None else index[b])
+        if page_table is None and not 0 <= where < k_cache.shape[0]:
+            raise ValueError("attention_with_kvcache: cache_batch_idx[%d] (%d) must index the %d rows of k_cache"
+                             % (b, where, k_cache.shape[0]))
+        rows.append((where, leftpad[b], seqlens[b] + t_new, seqlens[b]))
+    return rows
+
+
+def cache_keys(cache, where, first, end):
+    """Rows first .. end - 1 of one batch row's cache: a view of a contiguous cache's row `where`,
+    or the rows gathered from the pages `where` of a pool [pages, page_size, Hkv, D]."""
+    if isinstance(where, int):
+        return cache[where, first:end]
+    size = cache.shape[1]
+    positions = torch.arange(first, end, device=cache.device)
+    pages = torch.tensor(where, dtype=torch.long, device=cache.device)[positions // size]
+    return cache[pages, positions % size]
+
+
+def write_cache(cache, where, start, new):
+    """new [Tnew, Hkv, D] into one batch row's cache from position `start`, in place."""
+    if isinstance(where, int):
+        cache[where, start:start + new.shape[0]] = new
+        return
+    size = cache.shape[1]
+    positions = torch.arange(start, start + new.shape[0], device=cache.device)
+    pages = torch.tensor(where, dtype=torch.long, device=cache.device)[positions // size]
+    cache[pages, positions % size] = new

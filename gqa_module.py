@@ -791,6 +791,60 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         result = attention(q_b, k_b, v_b, return_lse=return_lse, **options)
         return result if return_lse else (result, None)
     return gqa_geometry.per_sequence(run, q, k, v, seqs, return_lse)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
+                           cache_leftpad=None, page_table=None, causal=False, softmax_scale=None,
+                           window_size=(-1, -1), softcap=0.0, return_lse=False):
+    """Attention over a KV cache with flash_attn_with_kvcache's arguments and meanings
+    (gqa_geometry.py): q [B, Tq, Hq, D]; k_cache and v_cache [B_cache, Tk_max, Hkv, D], or with
+    page_table (int32 [B, pages]) pools [pages, page_size, Hkv, D]; k and v [B, Tnew, Hkv, D], if
+    given, written into the caches in place at cache_seqlens (an int or int32 [B]; default: the
+    whole cache) before attending; cache_batch_idx and cache_leftpad as FlashAttention's. -> out
+    [B, Tq, Hq, D], or (out, lse [B, Hq, Tq]). For inference: no gradients, as FlashAttention's.
+
+    This version makes one attention() call per batch row over that row's keys (on CUDA tensors
+    the row-wise kernels where Tq != Tk), after reading the lengths to the host: correct, not yet
+    the split-KV decode kernels."""
+    import gqa_geometry
+
+    entry = "attention_with_kvcache"
+    _require_tensors(q, k_cache, v_cache, entry)
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.dim() != 4:
+            raise ValueError("%s: %s must be 4-D, got shape %s" % (entry, name, tuple(x.shape)))
+    if k_cache.shape != v_cache.shape:
+        raise ValueError("%s: k_cache and v_cache must have one shape, got %s and %s"
+                         % (entry, tuple(k_cache.shape), tuple(v_cache.shape)))
+    Hkv, D = k_cache.shape[2], k_cache.shape[3]
+    if (k is None) != (v is None):
+        raise ValueError("%s: k and v (the new keys and values) must be given together" % entry)
+    if k is not None:
+        _require_tensors(q, k, v, entry)
+        for name, x in (("k", k), ("v", v)):
+            if x.dim() != 4 or x.shape[0] != q.shape[0] or x.shape[2:] != (Hkv, D) or x.shape != k.shape:
+                raise ValueError("%s: %s must be [batch (%d), new keys, Hkv (%d), head_dim (%d)] like k, got %s"
+                                 % (entry, name, q.shape[0], Hkv, D, tuple(x.shape)))
+            if x.dtype != k_cache.dtype or x.device != k_cache.device:
+                raise ValueError("%s: %s must have k_cache's dtype and device (%s, %s), got %s, %s"
+                                 % (entry, name, k_cache.dtype, k_cache.device, x.dtype, x.device))
+    rows = gqa_geometry.kvcache_rows(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, page_table)
+    options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                   return_lse=return_lse)
+    gqa_geometry.arguments(q, q, **options)   # the options' rules, before the caches change
+    with torch.no_grad():
+        if k is not None:
+            for b, (where, _, _, start) in enumerate(rows):
+                gqa_geometry.write_cache(k_cache, where, start, k[b])
+                gqa_geometry.write_cache(v_cache, where, start, v[b])
+        results = [attention(q[b:b + 1], gqa_geometry.cache_keys(k_cache, where, first, end)[None],
+                             gqa_geometry.cache_keys(v_cache, where, first, end)[None], **options)
+                   for b, (where, first, end, _) in enumerate(rows)]
+    if not return_lse:
+        return torch.cat(results, dim=0) if results else q.new_empty(q.shape)
+    if not results:
+        return q.new_empty(q.shape), torch.empty(0, q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
+    return torch.cat([out for out, _ in results], dim=0), torch.cat([lse for _, lse in results], dim=0)
 # bundle: end general-entry
 
 
@@ -883,6 +937,11 @@ _BUNDLE_REGIONS = {
 def attention_varlen(q, k, v, *args, **options):
     raise RuntimeError("attention_varlen: this single-file build of gqa_module runs causal_gqa_attention and "
                        "ModelNew only; gqa_module.py (with gqa_geometry.py beside it) has attention_varlen.")
+
+
+def attention_with_kvcache(q, k_cache, v_cache, *args, **options):
+    raise RuntimeError("attention_with_kvcache: this single-file build of gqa_module runs causal_gqa_attention and "
+                       "ModelNew only; gqa_module.py (with gqa_geometry.py beside it) has attention_with_kvcache.")
 ''',
     "command-line": '''# ------------------------------------------------------------------------------------------------
 # Run as a script (as a harness that precompiles does): build or find the library, and load it.

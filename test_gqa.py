@@ -669,7 +669,7 @@ def test_flash_attention_stand_in_maps_its_arguments():
                           (lambda: flash_attn.flash_attn_func(q, k, v, alibi_slopes=torch.ones(2, 6)), "alibi"),
                           (lambda: flash_attn.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 33, 33,
                                                                       block_table=cu), "paged kv"),
-                          (lambda: flash_attn.flash_attn_with_kvcache(q, k, v), "kvcache")):
+                          (lambda: flash_attn.flash_attn_with_kvcache(q, k, v, rotary_cos=k), "kvcache \\(rotary\\)")):
         with pytest.raises(pytest.skip.Exception, match="unsupported: " + feature):
             call()
     cu = torch.tensor([0, 20, 33], dtype=torch.int32)
@@ -678,6 +678,10 @@ def test_flash_attention_stand_in_maps_its_arguments():
     assert torch.equal(out, expect_out) and torch.equal(lse, expect_lse)
     assert torch.equal(flash_attn.flash_attn_varlen_kvpacked_func(q[0], torch.stack([k[0], v[0]], dim=1), cu, cu,
                                                                   20, 20, **kw), expect_out)
+    seqlens = torch.tensor([30, 12], dtype=torch.int32)
+    out, lse = flash_attn.flash_attn_with_kvcache(q[:, :3], k, v, cache_seqlens=seqlens, return_softmax_lse=True, **kw)
+    expect_out, expect_lse = gqa_module.attention_with_kvcache(q[:, :3], k, v, cache_seqlens=seqlens, return_lse=True, **kw)
+    assert torch.equal(out, expect_out) and torch.equal(lse, expect_lse)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -822,6 +826,151 @@ def test_gpu_attention_varlen_matches_float64_per_sequence(dtype, tol):
             err = (got.cpu().double() - ref).abs().amax(dim=-1)
             size = ref.abs().amax(dim=-1).clamp_min(1.0)
             assert torch.all(err <= tol * (10 if dtype == torch.float32 else 1.5) * size), (kw, name)
+
+
+# ------------------------------------------------------------------------------------------------
+# attention_with_kvcache: a KV cache, contiguous or paged
+KVCACHE_SEQLENS = (0, 1, 63, 64, 65, 100)   # with 3 new keys each; the cache holds 103 rows
+
+
+def kvcache_case(dtype=torch.float32, Tq=3, t_new=3, device="cpu"):
+    """q [6, Tq, 6, 23], caches [6, 103, 2, 23] (random), new keys and values [6, t_new, 2, 23],
+    cache_seqlens KVCACHE_SEQLENS (int32)."""
+    B, Tk_max = len(KVCACHE_SEQLENS), 103
+    q = make_qkv(B, Tq, 6, 2, 23, dtype=dtype)[0]
+    _, k_cache, v_cache = make_qkv(B, Tk_max, 6, 2, 23, dtype=dtype)
+    _, k_new, v_new = make_qkv(B, t_new, 6, 2, 23, dtype=dtype)
+    seqlens = torch.tensor(KVCACHE_SEQLENS, dtype=torch.int32)
+    return [t.to(device) for t in (q, k_cache, v_cache, k_new, v_new, seqlens)]
+
+
+def paged(cache, page_size, gen, table=None):
+    """cache [B, Tk_max, H, D] as a pool of pages (random elsewhere) in a shuffled order (or
+    `table`'s), and its int32 page table [B, pages], with 3 spare pages in the pool."""
+    B, Tk_max = cache.shape[:2]
+    per_row = -(-Tk_max // page_size)
+    pool = torch.randn(B * per_row + 3, page_size, *cache.shape[2:], generator=gen).to(cache.dtype)
+    if table is None:
+        table = torch.randperm(B * per_row + 3, generator=gen)[:B * per_row].view(B, per_row).to(torch.int32)
+    for b in range(B):
+        for p in range(per_row):
+            rows = cache[b, p * page_size:(p + 1) * page_size]
+            pool[table[b, p], :rows.shape[0]] = rows
+    return pool, table
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_attention_with_kvcache_cpu_matches_float64(dtype, tol):
+    """Every mask of MASKS, with new keys appended at ragged cache_seqlens (0, 1, 63, 64, 65, 100)
+    and without: the caches hold the new keys at their positions afterwards and are unchanged
+    elsewhere; each batch row's output and log-sum-exp against reference.attention_ref over that
+    row's keys (0 .. cache_seqlens + new - 1); cache_leftpad and cache_batch_idx move the keys."""
+    for appended in (True, False):
+        q, k_cache, v_cache, k_new, v_new, seqlens = kvcache_case(dtype)
+        before_k, before_v = k_cache.clone(), v_cache.clone()
+        leftpad = torch.tensor([min(n, 5) for n in KVCACHE_SEQLENS], dtype=torch.int32)
+        index = torch.tensor([5, 0, 3, 1, 4, 2], dtype=torch.int32)
+        new = (k_new, v_new) if appended else (None, None)
+        for causal, window, scale, softcap in MASKS:
+            kw = dict(causal=causal, window_size=window, softmax_scale=scale, softcap=softcap)
+            k_cache.copy_(before_k), v_cache.copy_(before_v)
+            out, lse = gqa_module.attention_with_kvcache(q, k_cache, v_cache, *new, cache_seqlens=seqlens,
+                                                         cache_leftpad=leftpad, cache_batch_idx=index,
+                                                         return_lse=True, **kw)
+            assert out.shape == q.shape and lse.shape == (6, 6, 3), kw
+            for b, n in enumerate(KVCACHE_SEQLENS):
+                row = int(index[b])
+                end = n + (3 if appended else 0)
+                if appended:
+                    assert torch.equal(k_cache[row, n:end], k_new[b]) and torch.equal(v_cache[row, n:end], v_new[b])
+                changed = torch.zeros(103, dtype=torch.bool)
+                changed[n:end] = True
+                assert torch.equal(k_cache[row][~changed], before_k[row][~changed]), (kw, b)
+                keys = slice(min(n, 5), end)
+                q_b, k_b, v_b = q[b:b + 1], k_cache[row, keys][None], v_cache[row, keys][None]
+                geo = geometry_of(q_b, k_b, causal, window, scale, softcap)
+                assert_rows_close(out[b:b + 1], lse[b:b + 1], *reference_of(q_b, k_b, v_b, geo), tol, (kw, b, appended))
+
+
+def test_attention_with_kvcache_paged_equals_contiguous():
+    """A paged cache (page sizes 16 and 7, pages shuffled in a pool with spare pages) gives the
+    contiguous cache's outputs and log-sum-exp bitwise, and the new keys land in the right pages."""
+    gen = torch.Generator().manual_seed(seed_of("paged kv"))
+    for page_size in (16, 7):
+        q, k_cache, v_cache, k_new, v_new, seqlens = kvcache_case()
+        pool_k, table = paged(k_cache, page_size, gen)
+        pool_v, _ = paged(v_cache, page_size, gen, table)
+        expect = gqa_module.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True,
+                                                   window_size=(40, -1), return_lse=True)
+        got = gqa_module.attention_with_kvcache(q, pool_k, pool_v, k_new, v_new, cache_seqlens=seqlens, page_table=table,
+                                                causal=True, window_size=(40, -1), return_lse=True)
+        assert torch.equal(got[0], expect[0]) and torch.equal(got[1], expect[1]), page_size
+        for b, n in enumerate(KVCACHE_SEQLENS):
+            for t in range(3):
+                position = n + t
+                assert torch.equal(pool_k[table[b, position // page_size], position % page_size], k_new[b, t])
+
+
+def test_attention_with_kvcache_rules_name_the_argument():
+    """cache_seqlens within the cache less the new keys, cache_leftpad within cache_seqlens,
+    cache_batch_idx within the cache, page_table int32 [B, pages] into the pool (and not with
+    cache_batch_idx or cache_leftpad), k and v together and shaped like the cache's rows: each a
+    ValueError or TypeError naming it, raised before any cache is written."""
+    q, k_cache, v_cache, k_new, v_new, seqlens = kvcache_case()
+    before = k_cache.clone()
+    call = lambda **over: gqa_module.attention_with_kvcache(**{**dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k_new,
+                                                                       v=v_new, cache_seqlens=seqlens), **over})
+    table = torch.zeros(6, 7, dtype=torch.int32)
+    cases = [(dict(cache_seqlens=torch.tensor([0, 1, 63, 64, 65, 101], dtype=torch.int32)), ValueError,
+              r"cache_seqlens\[5\] must be in 0 .. 100"),
+             (dict(cache_seqlens=seqlens.long()), ValueError, "cache_seqlens must be a 1-D int32"),
+             (dict(cache_seqlens=[1] * 6), TypeError, "cache_seqlens must be a torch.Tensor"),
+             (dict(cache_leftpad=torch.tensor([0, 2, 0, 0, 0, 0], dtype=torch.int32)), ValueError,
+              r"cache_leftpad\[1\] must be in 0 .. cache_seqlens\[1\] \(1\)"),
+             (dict(cache_batch_idx=torch.tensor([0, 1, 2, 3, 4, 6], dtype=torch.int32)), ValueError,
+              r"cache_batch_idx\[5\] \(6\) must index the 6 rows"),
+             (dict(page_table=table.long()), ValueError, "page_table must be an int32 tensor"),
+             (dict(page_table=table + 103, cache_seqlens=0), ValueError, r"page_table\[0\] holds page 103"),
+             (dict(page_table=table, cache_leftpad=seqlens), ValueError, "not page_table"),
+             (dict(v=None), ValueError, "k and v .* must be given together"),
+             (dict(k=k_new[:, :, :1], v=v_new[:, :, :1]), ValueError, r"k must be \[batch \(6\), new keys, Hkv \(2\)"),
+             (dict(k=k_new.double(), v=v_new.double()), ValueError, "k must have k_cache's dtype"),
+             (dict(v_cache=v_cache[:, :50]), ValueError, "k_cache and v_cache must have one shape"),
+             (dict(q=q[0]), ValueError, "q must be 4-D"),
+             (dict(window_size=(0, -2)), ValueError, r"window_size\[1\]")]
+    for over, error, message in cases:
+        with pytest.raises(error, match=message):
+            call(**over)
+        assert torch.equal(k_cache, before), over
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_gpu_attention_with_kvcache_matches_float64(dtype, tol):
+    """attention_with_kvcache on CUDA tensors (attention()'s kernels per batch row), new keys
+    appended at ragged cache_seqlens: the caches as on the CPU, each row's output and log-sum-exp
+    against the float64 path, every mask of MASKS but softcap; a paged cache (page 16) bitwise
+    the contiguous one's."""
+    gen = torch.Generator().manual_seed(seed_of("paged kv gpu"))
+    q, k_cache, v_cache, k_new, v_new, seqlens = kvcache_case(dtype)
+    pool_k, table = paged(k_cache, 16, gen)
+    pool_v, _ = paged(v_cache, 16, gen, table)
+    for causal, window, scale, softcap in MASKS:
+        if softcap:
+            continue
+        kw = dict(causal=causal, window_size=window, softmax_scale=scale, return_lse=True)
+        exact_k, exact_v = k_cache.double(), v_cache.double()
+        exact = gqa_module.attention_with_kvcache(q.double(), exact_k, exact_v, k_new.double(), v_new.double(),
+                                                  cache_seqlens=seqlens, **kw)
+        caches = [t.cuda() for t in (k_cache, v_cache)]
+        got = gqa_module.attention_with_kvcache(q.cuda(), *caches, k_new.cuda(), v_new.cuda(),
+                                                cache_seqlens=seqlens.cuda(), **kw)
+        assert torch.equal(caches[0].cpu().double(), exact_k) and torch.equal(caches[1].cpu().double(), exact_v)
+        assert_rows_close(got[0].cpu(), got[1].cpu(), *exact, tol, kw)
+        pools = [t.cuda() for t in (pool_k, pool_v)]
+        paged_got = gqa_module.attention_with_kvcache(q.cuda(), *pools, k_new.cuda(), v_new.cuda(),
+                                                      cache_seqlens=seqlens.cuda(), page_table=table.cuda(), **kw)
+        assert torch.equal(paged_got[0], got[0]) and torch.equal(paged_got[1], got[1]), kw   # the same keys
 
 
 def test_attention_cuda_routes_name_the_option():

@@ -2,7 +2,7 @@
 test files (tests/test_flash_attn.py) run against this library (bench/fa_suite.py).
 
 Each function takes FlashAttention 2's arguments; the varlen ones map onto
-gqa_module.attention_varlen. What the library does not compute skips the
+gqa_module.attention_varlen, flash_attn_with_kvcache onto gqa_module.attention_with_kvcache. What the library does not compute skips the
 test with "unsupported: <feature>" (bench/fa_suite.py counts those by feature); nothing is
 emulated around it."""
 import pytest
@@ -93,5 +93,19 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                              dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
 
 
-def flash_attn_with_kvcache(*args, **kwargs):
-    _unsupported("kvcache")
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                            cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False):
+    if rotary_cos is not None or rotary_sin is not None:
+        _unsupported("kvcache (rotary)")
+    if alibi_slopes is not None:
+        _unsupported("alibi")
+    try:
+        return gqa_module.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                                 cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                                                 page_table=block_table, causal=causal, softmax_scale=softmax_scale,
+                                                 window_size=window_size, softcap=softcap,
+                                                 return_lse=return_softmax_lse)
+    except NotImplementedError as error:   # CUDA tensors: the kernels' gaps, named
+        _unsupported(str(error).split("this call asks for ")[-1].split(". ")[0])
