@@ -20,9 +20,9 @@ formed, their rules (one copy, here), and the PyTorch implementation that CPU te
   a packed call is [Hq, total_q].
 - A KV cache (attention_with_kvcache, flash_attn_with_kvcache's conventions): batch row b of q
   [B, Tq, Hq, D] attends cache rows cache_leftpad[b] .. cache_seqlens[b] + Tnew - 1 of its cache
-  (row cache_batch_idx[b] of k_cache [B_cache, Tk_max, Hkv, D], or the pages page_table[b] of a pool
-  [pages, page_size, Hkv, D]), after k and v [B, Tnew, Hkv, D] are written there in place from
-  position cache_seqlens[b]; every rule above applying to each row's keys.
+  (row c = cache_batch_idx[b], default b, of k_cache [B_cache, Tk_max, Hkv, D], or the pages
+  page_table[c] of a pool [pages, page_size, Hkv, D]), after k and v [B, Tnew, Hkv, D] are written
+  there in place from position cache_seqlens[b]; every rule above applying to each row's keys.
 """
 
 import collections
@@ -295,30 +295,30 @@ def _per_row(name, x, q, batch, default):
 def kvcache_rows(q, k_cache, k_new, cache_seqlens, cache_batch_idx, cache_leftpad, page_table):
     """Where each batch row's keys lie in a KV cache: a list of (cache index or page list, first
     key, end of the keys, where k_new goes), checked, or a TypeError or ValueError naming the
-    argument and its rule. Tk_max is k_cache's rows (page_table's pages times the page size)."""
+    argument and its rule. Batch row b reads cache row cache_batch_idx[b] (default b): of k_cache,
+    or of page_table, whose row lists the pages (FlashAttention 3's meaning with pages). Tk_max is
+    k_cache's rows, or page_table's pages times the page size."""
     B = q.shape[0]
+    index = _per_row("cache_batch_idx", cache_batch_idx, q, B, None)
     if page_table is not None:
-        if not isinstance(page_table, torch.Tensor) or page_table.dtype != torch.int32 or page_table.dim() != 2 \
-                or page_table.shape[0] != B:
-            raise ValueError("attention_with_kvcache: page_table must be an int32 tensor [batch (%d), pages], got %s"
-                             % (B, tuple(page_table.shape) if isinstance(page_table, torch.Tensor) else type(page_table).__name__))
+        if not isinstance(page_table, torch.Tensor) or page_table.dtype != torch.int32 or page_table.dim() != 2:
+            got = ("%s of shape %s" % (page_table.dtype, tuple(page_table.shape)) if isinstance(page_table, torch.Tensor)
+                   else type(page_table).__name__)
+            raise ValueError("attention_with_kvcache: page_table must be a 2-D int32 tensor [cache rows, pages], got %s"
+                             % got)
         if page_table.device != q.device:
             raise ValueError("attention_with_kvcache: page_table must be on q's device %s, got %s"
                              % (q.device, page_table.device))
-        if cache_batch_idx is not None or cache_leftpad is not None:
-            raise ValueError("attention_with_kvcache: cache_batch_idx and cache_leftpad take a contiguous cache, "
-                             "not page_table (as FlashAttention)")
-        pages = page_table.tolist()
-        for b, row in enumerate(pages):
+        table = page_table.tolist()
+        for r, row in enumerate(table):
             for page in row:
                 if not 0 <= page < k_cache.shape[0]:
                     raise ValueError("attention_with_kvcache: page_table[%d] holds page %d, outside the %d pages "
-                                     "of k_cache" % (b, page, k_cache.shape[0]))
-        tk_max = page_table.shape[1] * k_cache.shape[1]
+                                     "of k_cache" % (r, page, k_cache.shape[0]))
+        tk_max, cache_rows = page_table.shape[1] * k_cache.shape[1], page_table.shape[0]
     else:
-        tk_max = k_cache.shape[1]
+        tk_max, cache_rows = k_cache.shape[1], k_cache.shape[0]
     seqlens = _per_row("cache_seqlens", cache_seqlens, q, B, tk_max)
-    index = _per_row("cache_batch_idx", cache_batch_idx, q, B, None)
     leftpad = _per_row("cache_leftpad", cache_leftpad, q, B, 0)
     t_new = 0 if k_new is None else k_new.shape[1]
     rows = []
@@ -329,11 +329,12 @@ def kvcache_rows(q, k_cache, k_new, cache_seqlens, cache_batch_idx, cache_leftpa
         if not 0 <= leftpad[b] <= seqlens[b]:
             raise ValueError("attention_with_kvcache: cache_leftpad[%d] must be in 0 .. cache_seqlens[%d] (%d), got %d"
                              % (b, b, seqlens[b], leftpad[b]))
-        where = pages[b] if page_table is not None else (b if index[b] is None else index[b])
-        if page_table is None and not 0 <= where < k_cache.shape[0]:
-            raise ValueError("attention_with_kvcache: cache_batch_idx[%d] (%d) must index the %d rows of k_cache"
-                             % (b, where, k_cache.shape[0]))
-        rows.append((where, leftpad[b], seqlens[b] + t_new, seqlens[b]))
+        row = b if index[b] is None else index[b]
+        if not 0 <= row < cache_rows:
+            raise ValueError("attention_with_kvcache: %s (%d) must index the %d rows of %s"
+                             % ("cache_batch_idx[%d]" % b if index[b] is not None else "batch row %d" % b, row,
+                                cache_rows, "page_table" if page_table is not None else "k_cache"))
+        rows.append((table[row] if page_table is not None else row, leftpad[b], seqlens[b] + t_new, seqlens[b]))
     return rows
 
 

@@ -644,6 +644,43 @@ def test_attention_bad_arguments_raise(kwargs, error, words):
     assert str(info.value).startswith("attention: ") and words in str(info.value), str(info.value)
 
 
+def test_flash_attention_3_stand_in_maps_its_arguments():
+    """bench/fa_shim/flash_attn_interface.py (for hopper/test_flash_attn.py): FlashAttention 3's
+    functions on attention(), attention_varlen() and attention_with_kvcache(), the log-sum-exp
+    where asked, speed knobs ignored, and each feature the library lacks a skip naming it."""
+    sys.path.insert(0, os.path.join(HERE, "bench", "fa_shim"))
+    try:
+        import flash_attn_interface as fa3
+    finally:
+        sys.path.pop(0)
+        sys.modules.pop("flash_attn_interface", None)
+    q, k, v = make_qkv(2, 33, 6, 2, 16)
+    kw = dict(causal=True, window_size=(5, -1), softcap=3.0, softmax_scale=0.4)
+    out, lse = fa3.flash_attn_func(q, k, v, num_splits=3, pack_gqa=True, return_attn_probs=True, **kw)
+    expect_out, expect_lse = gqa_module.attention(q, k, v, return_lse=True, **kw)
+    assert torch.equal(out, expect_out) and torch.equal(lse, expect_lse)
+    cu = torch.tensor([0, 20, 33], dtype=torch.int32)
+    used = torch.tensor([15, 13], dtype=torch.int32)
+    assert torch.equal(fa3.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 20, 20, seqused_k=used, **kw),
+                       gqa_module.attention_varlen(q[0], k[0], v[0], cu, cu, 20, 20, seqused_k=used, **kw))
+    seqlens = torch.tensor([30, 12], dtype=torch.int32)
+    out, lse = fa3.flash_attn_with_kvcache(q[:, :3], k, v, cache_seqlens=seqlens, scheduler_metadata=None,
+                                           return_softmax_lse=True, **kw)
+    expect_out, expect_lse = gqa_module.attention_with_kvcache(q[:, :3], k, v, cache_seqlens=seqlens, return_lse=True, **kw)
+    assert torch.equal(out, expect_out) and torch.equal(lse, expect_lse)
+    assert fa3.get_scheduler_metadata(2, 33, 33, 6, 2, 16) is None
+    for call, feature in ((lambda: fa3.flash_attn_func(q, k, v, qv=q), "qv"),
+                          (lambda: fa3.flash_attn_func(q.to(torch.float8_e4m3fn), k, v), "fp8"),
+                          (lambda: fa3.flash_attn_func(q, k, v, attention_chunk=8), "attention_chunk"),
+                          (lambda: fa3.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 20, 20, seqused_q=used),
+                           "seqused_q"),
+                          (lambda: fa3.flash_attn_with_kvcache(q, k, v, rotary_cos=k), "kvcache \\(rotary\\)"),
+                          (lambda: fa3.flash_attn_with_kvcache(q[0], k, v, cu_seqlens_q=cu), "kvcache \\(packed q"),
+                          (lambda: fa3.flash_attn_combine(out, lse), "combine")):
+        with pytest.raises(pytest.skip.Exception, match="unsupported: " + feature):
+            call()
+
+
 def test_flash_attention_stand_in_maps_its_arguments():
     """bench/fa_shim/flash_attn (for bench/fa_suite.py): FlashAttention 2's functions on the library's
     attention(), packed layouts unpacked, the log-sum-exp where asked, and each feature the library
@@ -894,28 +931,31 @@ def test_attention_with_kvcache_cpu_matches_float64(dtype, tol):
 
 def test_attention_with_kvcache_paged_equals_contiguous():
     """A paged cache (page sizes 16 and 7, pages shuffled in a pool with spare pages) gives the
-    contiguous cache's outputs and log-sum-exp bitwise, and the new keys land in the right pages."""
+    contiguous cache's outputs and log-sum-exp bitwise, with cache_batch_idx choosing page-table
+    rows (FlashAttention 3's meaning) and cache_leftpad; the new keys land in the right pages."""
     gen = torch.Generator().manual_seed(seed_of("paged kv"))
     for page_size in (16, 7):
         q, k_cache, v_cache, k_new, v_new, seqlens = kvcache_case()
         pool_k, table = paged(k_cache, page_size, gen)
         pool_v, _ = paged(v_cache, page_size, gen, table)
-        expect = gqa_module.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True,
-                                                   window_size=(40, -1), return_lse=True)
-        got = gqa_module.attention_with_kvcache(q, pool_k, pool_v, k_new, v_new, cache_seqlens=seqlens, page_table=table,
-                                                causal=True, window_size=(40, -1), return_lse=True)
+        index = torch.tensor([2, 0, 1, 5, 4, 3], dtype=torch.int32)
+        leftpad = torch.tensor([min(n, 9) for n in KVCACHE_SEQLENS], dtype=torch.int32)
+        kw = dict(cache_seqlens=seqlens, cache_batch_idx=index, cache_leftpad=leftpad, causal=True,
+                  window_size=(40, -1), return_lse=True)
+        expect = gqa_module.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, **kw)
+        got = gqa_module.attention_with_kvcache(q, pool_k, pool_v, k_new, v_new, page_table=table, **kw)
         assert torch.equal(got[0], expect[0]) and torch.equal(got[1], expect[1]), page_size
         for b, n in enumerate(KVCACHE_SEQLENS):
             for t in range(3):
                 position = n + t
-                assert torch.equal(pool_k[table[b, position // page_size], position % page_size], k_new[b, t])
+                assert torch.equal(pool_k[table[index[b], position // page_size], position % page_size], k_new[b, t])
 
 
 def test_attention_with_kvcache_rules_name_the_argument():
     """cache_seqlens within the cache less the new keys, cache_leftpad within cache_seqlens,
-    cache_batch_idx within the cache, page_table int32 [B, pages] into the pool (and not with
-    cache_batch_idx or cache_leftpad), k and v together and shaped like the cache's rows: each a
-    ValueError or TypeError naming it, raised before any cache is written."""
+    cache_batch_idx within the cache (or the page table's rows), page_table int32 [rows, pages]
+    into the pool, k and v together and shaped like the cache's rows: each a ValueError or
+    TypeError naming it, raised before any cache is written."""
     q, k_cache, v_cache, k_new, v_new, seqlens = kvcache_case()
     before = k_cache.clone()
     call = lambda **over: gqa_module.attention_with_kvcache(**{**dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k_new,
@@ -929,9 +969,9 @@ def test_attention_with_kvcache_rules_name_the_argument():
               r"cache_leftpad\[1\] must be in 0 .. cache_seqlens\[1\] \(1\)"),
              (dict(cache_batch_idx=torch.tensor([0, 1, 2, 3, 4, 6], dtype=torch.int32)), ValueError,
               r"cache_batch_idx\[5\] \(6\) must index the 6 rows"),
-             (dict(page_table=table.long()), ValueError, "page_table must be an int32 tensor"),
+             (dict(page_table=table.long()), ValueError, "page_table must be a 2-D int32 tensor"),
              (dict(page_table=table + 103, cache_seqlens=0), ValueError, r"page_table\[0\] holds page 103"),
-             (dict(page_table=table, cache_leftpad=seqlens), ValueError, "not page_table"),
+             (dict(page_table=table[:5]), ValueError, r"batch row 5 \(5\) must index the 5 rows of page_table"),
              (dict(v=None), ValueError, "k and v .* must be given together"),
              (dict(k=k_new[:, :, :1], v=v_new[:, :, :1]), ValueError, r"k must be \[batch \(6\), new keys, Hkv \(2\)"),
              (dict(k=k_new.double(), v=v_new.double()), ValueError, "k must have k_cache's dtype"),
@@ -1258,26 +1298,84 @@ def test_transformers_generation_and_scaling_match_sdpa(family):
 
 
 @needs_transformers
+@pytest.mark.parametrize("family, window", [("llama", None), ("qwen2", None), ("mistral", 8)])
+def test_transformers_packed_sequences_match_sdpa(family, window):
+    """Sequences packed into one row (position_ids restarting at 0, lengths 1, 20, 7 and 12) run
+    attention_varlen once the mask is checked to be the packed causal one (Mistral: with a sliding
+    window of 8 inside each sequence): logits, and a training step's loss and gradients, as SDPA's
+    on the same mask."""
+    import gqa_transformers
+    name = gqa_transformers.register()
+    extra = {} if window is None else dict(sliding_window=window)
+    ours, ref = tiny_causal_lm(family, name, **extra), tiny_causal_lm(family, "sdpa", **extra)
+    ids = torch.randint(0, 128, (1, 40))
+    positions = torch.cat([torch.arange(n) for n in (1, 20, 7, 12)]).view(1, 40)
+    with torch.no_grad():
+        assert torch.allclose(ours(ids, position_ids=positions).logits, ref(ids, position_ids=positions).logits, atol=1e-5)
+    (loss, grads), (ref_loss, ref_grads) = (loss_and_grads(m, ids, position_ids=positions) for m in (ours, ref))
+    assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6), (loss, ref_loss)
+    for key, grad in grads.items():
+        assert torch.allclose(grad, ref_grads[key], rtol=1e-4, atol=1e-6), key
+    # the packing changes the logits (so the mask was not dropped)
+    with torch.no_grad():
+        assert not torch.allclose(ours(ids, position_ids=positions).logits, ref(ids).logits, atol=1e-3)
+
+
+@needs_transformers
+@pytest.mark.parametrize("family, window", [("llama", None), ("qwen2", None), ("mistral", 16)])
+def test_transformers_padding_windows_and_caches_match_sdpa(family, window):
+    """Served by the library once each row's mask is checked to be the causal one over its own keys
+    (registered with no fallback, so an unserved call would raise): a left-padded batch's logits at
+    its tokens, a training step on it (loss and gradients), and greedy generate() from left-padded
+    prompts with a dynamic and a static cache, against SDPA; Mistral with a sliding window of 16
+    over 40 tokens (which changes the logits, so the window was not dropped)."""
+    import gqa_transformers
+    name = gqa_transformers.register()
+    extra = {} if window is None else dict(sliding_window=window)
+    ours, ref = tiny_causal_lm(family, name, **extra), tiny_causal_lm(family, "sdpa", **extra)
+    ids = torch.randint(0, 128, (2, 40))
+    padded = torch.ones(2, 40, dtype=torch.long)
+    padded[0, :5] = 0
+    with torch.no_grad():
+        got, expect = ours(ids, attention_mask=padded).logits, ref(ids, attention_mask=padded).logits
+        assert torch.allclose(got[0, 5:], expect[0, 5:], atol=1e-5) and torch.allclose(got[1], expect[1], atol=1e-5)
+        for cache in ("dynamic", "static"):
+            kwargs = dict(attention_mask=padded[:, :30], max_new_tokens=8, do_sample=False, cache_implementation=cache)
+            assert torch.equal(ours.generate(ids[:, :30], **kwargs), ref.generate(ids[:, :30], **kwargs)), cache
+        if window is not None:
+            assert not torch.allclose(tiny_causal_lm(family, "sdpa")(ids).logits, ref(ids).logits, atol=1e-3)
+    labels = ids.masked_fill(padded == 0, -100)
+    results = []
+    for model in (ours, ref):
+        model.zero_grad()
+        loss = model(ids, attention_mask=padded, labels=labels, use_cache=False).loss
+        loss.backward()
+        results.append((loss.detach(), {key: p.grad.clone() for key, p in model.named_parameters()}))
+    (loss, grads), (ref_loss, ref_grads) = results
+    assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6), (loss, ref_loss)
+    for key, grad in grads.items():
+        assert torch.allclose(grad, ref_grads[key], rtol=1e-4, atol=1e-6), key
+
+
+@needs_transformers
 def test_transformers_never_drops_a_mask():
-    """What the library does not compute raises a ValueError naming it: a left-padded batch, packed
-    sequences (position_ids restarting), a sliding window shorter than the keys, left-padded
-    generation; an all-ones padding mask and a window longer than the keys run."""
+    """What the library does not compute raises a ValueError naming it: packed sequences in two
+    rows, a custom 4-D mask that is no row's causal span, attention dropout; an all-ones padding
+    mask and a window longer than the keys run."""
     import gqa_transformers
     name = gqa_transformers.register()
     model = tiny_causal_lm("llama", name)
     ids = torch.randint(0, 128, (2, 40))
-    padded = torch.ones(2, 40, dtype=torch.long)
-    padded[0, :5] = 0
     packed = torch.cat([torch.arange(20), torch.arange(20)]).view(1, 40)
-    cases = [("attention mask", lambda: model(ids, attention_mask=padded)),
-             ("attention mask", lambda: model(ids[:1], position_ids=packed, use_cache=False)),
-             ("attention mask",
-              lambda: model.generate(ids[:, :8], attention_mask=padded[:, :8], max_new_tokens=2, do_sample=False)),
-             ("sliding window (16) shorter than the keys (40)", lambda: tiny_causal_lm("mistral", name, sliding_window=16)(ids))]
+    custom = torch.ones(2, 1, 40, 40, dtype=torch.bool).tril()
+    custom[:, :, 30:, 10:20] = False   # a hole in the middle of the keys
+    cases = [("attention mask", lambda: model(ids, position_ids=torch.cat([packed, packed]), use_cache=False)),
+             ("attention mask", lambda: model(ids, attention_mask=custom, use_cache=False)),
+             ("attention dropout (0.5)", lambda: tiny_causal_lm("llama", name, attention_dropout=0.5).train()(ids))]
     for words, call in cases:
         with pytest.raises(ValueError, match=re.escape(words)):
             call()
-    assert model(ids, attention_mask=torch.ones_like(padded)).logits.shape == (2, 40, 128)
+    assert model(ids, attention_mask=torch.ones(2, 40, dtype=torch.long)).logits.shape == (2, 40, 128)
     assert tiny_causal_lm("mistral", name, sliding_window=64)(ids).logits.shape == (2, 40, 128)
     with pytest.raises(ValueError, match="fallback must be None or"):
         gqa_transformers.register(fallback="eager")
@@ -1285,25 +1383,25 @@ def test_transformers_never_drops_a_mask():
 
 @needs_transformers
 def test_transformers_fallback_runs_sdpa_and_says_so_once(capfd):
-    """Registered with fallback="sdpa": a padded batch's logits, left-padded greedy generation's
-    tokens and a short sliding window's logits equal SDPA's, each kind of call the library does not
-    serve is named once on stderr, and calls it serves stay with the library."""
+    """Registered with fallback="sdpa": packed sequences in two rows give SDPA's logits, attention
+    dropout runs, each kind of call the library does not serve is named once on stderr, and calls
+    it serves (a padded batch) stay with the library."""
     import gqa_transformers
     name = gqa_transformers.register("gqa_causal_or_sdpa", fallback="sdpa")
     ours, ref = tiny_causal_lm("qwen2", name), tiny_causal_lm("qwen2", "sdpa")
     ids = torch.randint(0, 128, (2, 24))
+    packed = torch.cat([torch.arange(12), torch.arange(12)]).view(1, 24).repeat(2, 1)
     padded = torch.ones(2, 24, dtype=torch.long)
     padded[1, :3] = 0
     with torch.no_grad():
         for _ in range(2):
-            assert torch.allclose(ours(ids, attention_mask=padded).logits, ref(ids, attention_mask=padded).logits, atol=1e-6)
-        kwargs = dict(attention_mask=padded[:, :6], max_new_tokens=4, do_sample=False)
-        assert torch.equal(ours.generate(ids[:, :6], **kwargs), ref.generate(ids[:, :6], **kwargs))
-        windowed = [tiny_causal_lm("mistral", attn, sliding_window=16) for attn in (name, "sdpa")]
-        assert torch.allclose(windowed[0](ids).logits, windowed[1](ids).logits, atol=1e-6)
+            assert torch.allclose(ours(ids, position_ids=packed, use_cache=False).logits,
+                                  ref(ids, position_ids=packed, use_cache=False).logits, atol=1e-6)
+        ours(ids, attention_mask=padded)
+    assert torch.isfinite(tiny_causal_lm("qwen2", name, attention_dropout=0.5).train()(ids).logits).all()
     said = [line for line in capfd.readouterr().err.splitlines() if line.startswith("gqa_transformers")]
-    assert len(said) == len(set(said)) >= 2 and all("runs transformers' SDPA attention" in line for line in said), said
-    assert any("attention mask" in line for line in said) and any("sliding window (16)" in line for line in said), said
+    assert len(said) == len(set(said)) == 2 and all("runs transformers' SDPA attention" in line for line in said), said
+    assert any("attention mask" in line for line in said) and any("attention dropout" in line for line in said), said
 
 
 @needs_gpu
@@ -1329,6 +1427,30 @@ def test_gpu_transformers_training_step_matches_sdpa(family, dtype):
         for key, grad in grads.items():
             bound = 2 * rel_err(ref_grads[key], eager_grads[key].double()) + 1e-3
             assert rel_err(grad, ref_grads[key].double()) <= bound, key
+
+
+@needs_gpu
+@needs_transformers
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_gpu_transformers_generation_and_packed_sequences_match_sdpa(family):
+    """On the GPU in fp32, registered with no fallback (a call the library did not serve would
+    raise): greedy generate() from left-padded prompts over a dynamic and a static cache gives
+    SDPA's tokens (Mistral with a sliding window of 16), and sequences packed into one row give
+    SDPA's logits within 1e-4."""
+    import gqa_transformers
+    name = gqa_transformers.register()
+    extra = dict(sliding_window=16) if family == "mistral" else {}
+    ours, ref = (tiny_causal_lm(family, attn, **extra).to("cuda") for attn in (name, "sdpa"))
+    ids = torch.randint(0, 128, (2, 40), device="cuda")
+    padded = torch.ones(2, 30, dtype=torch.long, device="cuda")
+    padded[0, :4] = 0
+    positions = torch.cat([torch.arange(n) for n in (1, 20, 7, 12)]).view(1, 40).cuda()
+    with torch.no_grad():
+        for cache in ("dynamic", "static"):
+            kwargs = dict(attention_mask=padded, max_new_tokens=8, do_sample=False, cache_implementation=cache)
+            assert torch.equal(ours.generate(ids[:, :30], **kwargs), ref.generate(ids[:, :30], **kwargs)), cache
+        assert torch.allclose(ours(ids[:1], position_ids=positions).logits, ref(ids[:1], position_ids=positions).logits,
+                              atol=1e-4)
 
 
 def test_pip_install_puts_the_kernels_beside_the_module(tmp_path):
