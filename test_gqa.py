@@ -1453,15 +1453,116 @@ def test_gpu_transformers_generation_and_packed_sequences_match_sdpa(family):
                               atol=1e-4)
 
 
+# ------------------------------------------------------------------------------------------------
+# gqa_ring.py: context-parallel attention
+def ring_case(dtype, T=24, device="cpu"):
+    gen = torch.Generator().manual_seed(seed_of("ring", dtype, T))
+    q, g = (torch.randn(2, T, 6, 16, generator=gen).to(dtype) for _ in range(2))
+    k, v = (torch.randn(2, T, 2, 16, generator=gen).to(dtype) for _ in range(2))
+    return [t.to(device) for t in (q, k, v, g)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_blocks_match_one_call(dtype, causal):
+    """The ring's blocks over 1, 2 and 3 ranks, merged by their log-sum-exp (gqa_ring.simulate),
+    against one attention() call: output and gradients norm-relative within 1e-14 (float64) and
+    1e-6 (fp32); bf16 within twice the distance of SDPA's bf16 result from float64, plus 1e-3."""
+    import gqa_ring
+    q, k, v, g = ring_case(dtype)
+    def result(fn, *inputs):
+        leaves = [t.clone().requires_grad_(True) for t in inputs]
+        out = fn(*leaves)
+        return [out.detach()] + list(torch.autograd.grad(out, leaves, g))
+    one = result(lambda *t: gqa_module.attention(*t, causal=causal), q, k, v)
+    exact = result(lambda *t: gqa_module.attention(*t, causal=causal), *(t.double() for t in (q, k, v)))
+    if dtype == torch.bfloat16:
+        sdpa = result(lambda q_, k_, v_: torch.nn.functional.scaled_dot_product_attention(
+            q_.transpose(1, 2), k_.transpose(1, 2).repeat_interleave(3, dim=1), v_.transpose(1, 2).repeat_interleave(3, dim=1),
+            is_causal=causal).transpose(1, 2), q, k, v)
+    for world in (1, 2, 3):
+        ring = result(lambda *t: gqa_ring.simulate(*t, world, causal=causal), q, k, v)
+        for name, got, want, ref in zip(("out", "dq", "dk", "dv"), ring, one, exact):
+            if dtype == torch.bfloat16:
+                bound = 2 * rel_err(sdpa[("out", "dq", "dk", "dv").index(name)], ref) + 1e-3
+                assert rel_err(got, ref) <= bound, (world, name)
+            else:
+                assert rel_err(got, want.double()) <= (1e-14 if dtype == torch.float64 else 1e-6), (world, name)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [True, False])
+def test_gpu_ring_blocks_match_one_call(dtype, causal):
+    """On one GPU (the library's kernels for the blocks, T = 384 over 1, 2 and 4 simulated ranks):
+    the ring's output and gradients against one attention() call in fp32 within 1e-6
+    norm-relative; bf16 against float64 within twice SDPA's bf16 distance, plus 1e-3."""
+    import gqa_ring
+    q, k, v, g = ring_case(dtype, T=384, device="cuda")
+    def result(fn, *inputs):
+        leaves = [t.clone().requires_grad_(True) for t in inputs]
+        out = fn(*leaves)
+        return [out.detach()] + list(torch.autograd.grad(out, leaves, g.to(out.device, out.dtype)))
+    exact = result(lambda *t: gqa_module.attention(*t, causal=causal), *(t.double().cpu() for t in (q, k, v)))
+    one = result(lambda *t: gqa_module.attention(*t, causal=causal), q, k, v)
+    sdpa = result(lambda q_, k_, v_: torch.nn.functional.scaled_dot_product_attention(
+        q_.transpose(1, 2), k_.transpose(1, 2).repeat_interleave(3, dim=1), v_.transpose(1, 2).repeat_interleave(3, dim=1),
+        is_causal=causal).transpose(1, 2), q, k, v)
+    for world in (1, 2, 4):
+        ring = result(lambda *t: gqa_ring.simulate(*t, world, causal=causal), q, k, v)
+        for index, name in enumerate(("out", "dq", "dk", "dv")):
+            if dtype == torch.float32:
+                assert rel_err(ring[index], one[index].double()) <= 1e-6, (world, name)
+            else:
+                bound = 2 * rel_err(sdpa[index].cpu(), exact[index]) + 1e-3
+                assert rel_err(ring[index].cpu(), exact[index]) <= bound, (world, name)
+
+
+def _ring_worker(rank, world, init, out_dir, causal):
+    import torch.distributed as dist
+    import gqa_ring
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        q, k, v, g = (gqa_ring.shard(t, rank, world) for t in ring_case(torch.float32, T=8 * world))
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = gqa_ring.ring_attention(*leaves, causal=causal)
+        grads = torch.autograd.grad(out, leaves, g)
+        torch.save([out.detach()] + list(grads), os.path.join(out_dir, "rank%d.pt" % rank))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_on_gloo_processes_equals_its_simulation(tmp_path, world, causal):
+    """gqa_ring.ring_attention in `world` CPU processes over torch.distributed's gloo backend
+    (K and V, then dK and dV, passed around the ring with isend/irecv): each rank's output and
+    gradients bitwise those of gqa_ring.simulate for its part of the sequence."""
+    import gqa_ring
+    import torch.multiprocessing as mp
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("needs torch.distributed with the gloo backend")
+    mp.spawn(_ring_worker, args=(world, "file://" + str(tmp_path / "init"), str(tmp_path), causal), nprocs=world)
+    q, k, v, g = ring_case(torch.float32, T=8 * world)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = gqa_ring.simulate(*leaves, world, causal=causal)
+    expect = [out.detach()] + list(torch.autograd.grad(out, leaves, g))
+    for rank in range(world):
+        got = torch.load(str(tmp_path / ("rank%d.pt" % rank)))
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, expect):
+            assert torch.equal(a, gqa_ring.shard(b, rank, world)), (rank, name)
+
+
 def test_pip_install_puts_the_kernels_beside_the_module(tmp_path):
     """`pip install .` (from a copy of the checkout's installable files) installs gqa_module,
-    gqa_geometry, gqa_transformers and kernels/ as gqa_module_kernels/ beside them: imported from
-    another folder, the module reads the same kernel sources (same sha256) and runs a CPU call of
-    each entry."""
+    gqa_geometry, gqa_transformers, gqa_ring and kernels/ as gqa_module_kernels/ beside them:
+    imported from another folder, the module reads the same kernel sources (same sha256) and runs
+    a CPU call of each entry."""
     import shutil
     source = tmp_path / "source"
     source.mkdir()
-    for name in ("pyproject.toml", "README.md", "gqa_module.py", "gqa_geometry.py", "gqa_transformers.py"):
+    for name in ("pyproject.toml", "README.md", "gqa_module.py", "gqa_geometry.py", "gqa_transformers.py",
+                 "gqa_ring.py"):
         shutil.copy(os.path.join(HERE, name), source / name)
     shutil.copytree(os.path.join(HERE, "kernels"), source / "kernels")
     target = tmp_path / "site"
@@ -1470,7 +1571,7 @@ def test_pip_install_puts_the_kernels_beside_the_module(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    code = ("import torch, gqa_module, gqa_transformers\n"
+    code = ("import torch, gqa_module, gqa_transformers, gqa_ring\n"
             "print(gqa_module.__file__)\n"
             "print(gqa_module.kernel_source_sha256())\n"
             "q, k, v = (torch.randn(1, 5, h, 8) for h in (2, 1, 1))\n"
@@ -1482,7 +1583,7 @@ def test_pip_install_puts_the_kernels_beside_the_module(tmp_path):
     module_file, sha, shape, lse_shape = run.stdout.split("\n")[:4]
     assert module_file == str(target / "gqa_module.py") and shape == "(1, 5, 2, 8)", run.stdout
     assert lse_shape == "(1, 2, 5)", run.stdout
-    assert (target / "gqa_geometry.py").exists()
+    assert (target / "gqa_geometry.py").exists() and (target / "gqa_ring.py").exists()
     assert sha == gqa_module.kernel_source_sha256()
     installed = sorted(os.path.relpath(os.path.join(root, f), target / "gqa_module_kernels")
                        for root, _, names in os.walk(target / "gqa_module_kernels") for f in names)
