@@ -13,12 +13,13 @@ built a mask, the function serves it only after checking it element by element a
 can run: each batch row causal over its own span of keys (left padding before them, a static
 cache's unfilled slots after them, a sliding window inside), run row by row through
 `gqa_module.attention`; or sequences packed into one row by position_ids (transformers'
-padding-free collator), run through `gqa_module.attention_varlen`. Any other mask, dropout, or an
-option the tensors' device does not run (softcap on CUDA) is never served silently: by default
-it raises a ValueError naming what the library does not support; with `fallback="sdpa"` that call
-runs transformers' SDPA attention instead, and the first call of each kind says so on stderr. The
-checks read the mask on the host, so under torch.compile a masked call takes the fallback (or a
-graph break).
+padding-free collator), run through `gqa_module.attention_varlen`, as are the cu_seq_lens offsets
+that collator passes with return_flash_attn_kwargs (with no mask, or the same packing's). Any
+other mask, dropout, or an option the tensors' device does not run (softcap on CUDA) is never
+served silently: by default it raises a ValueError naming what the library does not support; with
+`fallback="sdpa"` that call runs transformers' SDPA attention instead, and the first call of each
+kind says so on stderr. The checks read the mask on the host, so under torch.compile a masked
+call takes the fallback (or a graph break).
 """
 
 import sys
@@ -109,6 +110,21 @@ def _row_spans(query, key, attention_mask, left):
     return list(zip(first.tolist(), end.tolist()))
 
 
+def _given_offsets(query, attention_mask, kwargs, packed):
+    """The cu_seq_lens_q offsets a padding-free collator passed (return_flash_attn_kwargs), where
+    they name sequences packed into one row, equal for queries and keys, and agree with the mask
+    (none, or the packed one that position_ids gave); else None."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if not (isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor)) or query.shape[0] != 1:
+        return None
+    cu_q, cu_k = cu_q.to(query.device, torch.int32), cu_k.to(query.device, torch.int32)
+    if not torch.equal(cu_q, cu_k) or int(cu_q[-1]) != query.shape[2]:
+        return None
+    if attention_mask is not None and (packed is None or not torch.equal(packed, cu_q)):
+        return None
+    return cu_q
+
+
 def _attention(name):
     """The attention function registered under `name` (see the module's docstring)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -119,6 +135,10 @@ def _attention(name):
         causal = getattr(module, "is_causal", True) and kwargs.get("is_causal") is not False
         left = sliding_window - 1 if sliding_window is not None else None   # transformers': q - k < window
         packed = _packed_offsets(query, key, attention_mask, kwargs, left) if causal else None
+        given = _given_offsets(query, attention_mask, kwargs, packed) if causal and key.shape[2] == query.shape[2] else None
+        if given is not None:
+            packed = given
+            kwargs = {word: item for word, item in kwargs.items() if not word.startswith("cu_seq_lens")}
         spans = _row_spans(query, key, attention_mask, left) if causal and packed is None else None
         verified = packed is not None or spans is not None
         reasons = _unsupported(module, query, key, value, None if verified else attention_mask, dropout, scaling,

@@ -1303,22 +1303,32 @@ def test_transformers_packed_sequences_match_sdpa(family, window):
     """Sequences packed into one row (position_ids restarting at 0, lengths 1, 20, 7 and 12) run
     attention_varlen once the mask is checked to be the packed causal one (Mistral: with a sliding
     window of 8 inside each sequence): logits, and a training step's loss and gradients, as SDPA's
-    on the same mask."""
+    on the same mask; the same from the offsets a padding-free collator passes (cu_seq_lens_q/k),
+    with and without that mask."""
     import gqa_transformers
     name = gqa_transformers.register()
     extra = {} if window is None else dict(sliding_window=window)
     ours, ref = tiny_causal_lm(family, name, **extra), tiny_causal_lm(family, "sdpa", **extra)
     ids = torch.randint(0, 128, (1, 40))
     positions = torch.cat([torch.arange(n) for n in (1, 20, 7, 12)]).view(1, 40)
-    with torch.no_grad():
-        assert torch.allclose(ours(ids, position_ids=positions).logits, ref(ids, position_ids=positions).logits, atol=1e-5)
+    offsets = torch.tensor([0, 1, 21, 28, 40], dtype=torch.int32)
+    flash_kwargs = dict(cu_seq_lens_q=offsets, cu_seq_lens_k=offsets, max_length_q=20, max_length_k=20)
+    with torch.no_grad():   # (with a cache transformers does not look for packed sequences)
+        expect = ref(ids, position_ids=positions, use_cache=False).logits
+        assert torch.allclose(ours(ids, position_ids=positions, use_cache=False).logits, expect, atol=1e-5)
+        # the collator's offsets (return_flash_attn_kwargs), alone and beside the mask they agree with
+        assert torch.allclose(ours(ids, position_ids=positions, use_cache=False, **flash_kwargs).logits, expect, atol=1e-5)
+        if window is None:   # with a cache: no mask, the offsets alone
+            assert torch.allclose(ours(ids, position_ids=positions, **flash_kwargs).logits, expect, atol=1e-5)
+        else:                # the window's mask, built without the packing, disagrees with them: refused
+            with pytest.raises(ValueError, match=re.escape("packed sequences (cu_seq_lens)")):
+                ours(ids, position_ids=positions, **flash_kwargs)
+        # the packing changes the logits (so the mask was not dropped)
+        assert not torch.allclose(expect, ref(ids, position_ids=positions).logits, atol=1e-3)
     (loss, grads), (ref_loss, ref_grads) = (loss_and_grads(m, ids, position_ids=positions) for m in (ours, ref))
     assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6), (loss, ref_loss)
     for key, grad in grads.items():
         assert torch.allclose(grad, ref_grads[key], rtol=1e-4, atol=1e-6), key
-    # the packing changes the logits (so the mask was not dropped)
-    with torch.no_grad():
-        assert not torch.allclose(ours(ids, position_ids=positions).logits, ref(ids).logits, atol=1e-3)
 
 
 @needs_transformers
@@ -1449,8 +1459,8 @@ def test_gpu_transformers_generation_and_packed_sequences_match_sdpa(family):
         for cache in ("dynamic", "static"):
             kwargs = dict(attention_mask=padded, max_new_tokens=8, do_sample=False, cache_implementation=cache)
             assert torch.equal(ours.generate(ids[:, :30], **kwargs), ref.generate(ids[:, :30], **kwargs)), cache
-        assert torch.allclose(ours(ids[:1], position_ids=positions).logits, ref(ids[:1], position_ids=positions).logits,
-                              atol=1e-4)
+        assert torch.allclose(ours(ids[:1], position_ids=positions, use_cache=False).logits,
+                              ref(ids[:1], position_ids=positions, use_cache=False).logits, atol=1e-4)
 
 
 # ------------------------------------------------------------------------------------------------
