@@ -1442,6 +1442,44 @@ def test_gpu_transformers_training_step_matches_sdpa(family, dtype):
 @needs_gpu
 @needs_transformers
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_transformers_masked_training_steps_match_sdpa(family, dtype):
+    """On the GPU, registered with no fallback: training steps on a left-padded batch and on
+    sequences packed into one row (Mistral with a sliding window of 16), loss and gradients against
+    SDPA's: fp32 to 1e-4, bf16 within twice SDPA's own distance from eager attention (plus 1e-3 of
+    the loss)."""
+    import gqa_transformers
+    name = gqa_transformers.register()
+    extra = dict(sliding_window=16) if family == "mistral" else {}
+    models = {attn: tiny_causal_lm(family, attn, **extra).to("cuda", dtype) for attn in (name, "sdpa", "eager")}
+    ids = torch.randint(0, 128, (2, 160), device="cuda")
+    padded = torch.ones(2, 160, dtype=torch.long, device="cuda")
+    padded[0, :37] = 0
+    positions = torch.cat([torch.arange(n) for n in (1, 90, 33, 36)]).view(1, 160).cuda()
+    batches = {"padded": dict(input_ids=ids, attention_mask=padded, labels=ids.masked_fill(padded == 0, -100)),
+               "packed": dict(input_ids=ids[:1], position_ids=positions, labels=ids[:1])}
+    for what, batch in batches.items():
+        results = {}
+        for attn, model in models.items():
+            model.zero_grad()
+            loss = model(**batch, use_cache=False).loss
+            loss.backward()
+            results[attn] = (loss.detach(), {key: p.grad.clone() for key, p in model.named_parameters()})
+        (loss, grads), (ref_loss, ref_grads), (eager_loss, eager_grads) = (results[a] for a in (name, "sdpa", "eager"))
+        if dtype == torch.float32:
+            assert torch.allclose(loss, ref_loss, rtol=1e-4), (what, loss, ref_loss)
+            for key, grad in grads.items():
+                assert rel_err(grad, ref_grads[key].double()) <= 1e-4, (what, key)
+        else:
+            assert (loss - ref_loss).abs() <= 2 * (ref_loss - eager_loss).abs() + 1e-3 * ref_loss.abs(), (what, loss, ref_loss)
+            for key, grad in grads.items():
+                bound = 2 * rel_err(ref_grads[key], eager_grads[key].double()) + 1e-3
+                assert rel_err(grad, ref_grads[key].double()) <= bound, (what, key)
+
+
+@needs_gpu
+@needs_transformers
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 def test_gpu_transformers_generation_and_packed_sequences_match_sdpa(family):
     """On the GPU in fp32, registered with no fallback (a call the library did not serve would
     raise): greedy generate() from left-padded prompts over a dynamic and a static cache gives
