@@ -358,3 +358,24 @@ def write_cache(cache, where, start, new):
     positions = torch.arange(start, start + new.shape[0], device=cache.device)
     pages = torch.tensor(where, dtype=torch.long, device=cache.device)[positions // size]
     cache[pages, positions % size] = new
+
+
+# ------------------------------------------------------------------------------------------------
+# Partial results
+def combine(outs, lses, out_dtype=None):
+    """Attention over the union of disjoint key sets from its parts: outs [S, B, T, H, D] and lses
+    [S, B, H, T] (each part's output and natural-log log-sum-exp, attention()'s layouts) -> (out
+    [B, T, H, D] in out_dtype, default outs', lse [B, H, T]). lse = logsumexp over the parts; out =
+    sum of exp(lse_s - lse) out_s, in float32 (float64 for float64 parts); a row no part saw
+    (every lse -inf) gives 0 and -inf."""
+    if not isinstance(outs, torch.Tensor) or not isinstance(lses, torch.Tensor) or outs.dim() != 5 \
+            or lses.shape != (outs.shape[0], outs.shape[1], outs.shape[3], outs.shape[2]):
+        raise ValueError("combine: outs must be [S, B, T, H, D] and lses [S, B, H, T], got %s and %s"
+                         % (tuple(getattr(outs, "shape", ())), tuple(getattr(lses, "shape", ()))))
+    wide = torch.float64 if outs.dtype == torch.float64 else torch.float32
+    lses = lses.to(wide)
+    lse = torch.logsumexp(lses, dim=0)
+    weights = torch.exp(lses - lse)
+    weights = torch.where(torch.isneginf(lse), torch.zeros_like(weights), weights)   # no part saw the row
+    out = (weights.transpose(2, 3).unsqueeze(-1) * outs.to(wide)).sum(dim=0)
+    return out.to(out_dtype or outs.dtype), lse

@@ -793,6 +793,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return gqa_geometry.per_sequence(run, q, k, v, seqs, return_lse)
 
 
+def attention_combine(outs, lses, out_dtype=None):
+    """The attention of parts over disjoint keys combined by their log-sum-exps (cascade
+    inference, split keys, ring attention): outs [S, B, T, H, D], lses [S, B, H, T] as attention()
+    returns them -> (out [B, T, H, D], lse [B, H, T]); gqa_geometry.combine states the rule."""
+    import gqa_geometry
+
+    return gqa_geometry.combine(outs, lses, out_dtype)
+
+
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
                            cache_leftpad=None, page_table=None, causal=False, softmax_scale=None,
                            window_size=(-1, -1), softcap=0.0, return_lse=False):
@@ -937,6 +946,11 @@ _BUNDLE_REGIONS = {
 def attention_varlen(q, k, v, *args, **options):
     raise RuntimeError("attention_varlen: this single-file build of gqa_module runs causal_gqa_attention and "
                        "ModelNew only; gqa_module.py (with gqa_geometry.py beside it) has attention_varlen.")
+
+
+def attention_combine(outs, lses, out_dtype=None):
+    raise RuntimeError("attention_combine: this single-file build of gqa_module runs causal_gqa_attention and "
+                       "ModelNew only; gqa_module.py (with gqa_geometry.py beside it) has attention_combine.")
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *args, **options):

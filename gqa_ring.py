@@ -8,8 +8,9 @@ The sequence is cut into 2W chunks; rank r holds chunks r and 2W - 1 - r (mirror
 the causal mask every rank has the same work). At step s rank r holds the K and V of rank
 r - s (sent on to r + 1 while the step computes). A block of query chunk i against key chunk j is
 full (j < i, or no mask), causal (j = i) or skipped (j > i under the causal mask); each is one
-`gqa_module.attention` call with return_lse=True, merged in fp32 (float64 for float64 inputs):
-lse = logaddexp(lse_a, lse_b), o = o_a exp(lse_a - lse) + o_b exp(lse_b - lse). The backward
+`gqa_module.attention` call with return_lse=True, merged by gqa_geometry.combine in fp32 (float64
+for float64 inputs): lse = logaddexp(lse_a, lse_b), o = o_a exp(lse_a - lse) + o_b exp(lse_b -
+lse). The backward
 walks the ring again: each block's dQ stays, its dK and dV travel with the K and V they belong to
 and are home after W steps. In this version the block backward runs in PyTorch from the global
 log-sum-exp (the library's backward recomputes a block's own); inputs are taken finite.
@@ -20,6 +21,7 @@ device or CPU see what the ring computes, bitwise.
 
 import torch
 
+import gqa_geometry
 import gqa_module
 
 
@@ -113,12 +115,7 @@ def _merge(acc, out, lse):
     out, lse = _wide(out), lse.to(torch.float64 if out.dtype == torch.float64 else torch.float32)
     if acc is None:
         return out, lse
-    o, total = acc
-    merged = torch.logaddexp(total, lse)
-    def weight(x):   # [B, Hq, n] -> [B, n, Hq, 1], 0 where no key was seen yet
-        w = torch.where(torch.isneginf(merged), torch.zeros_like(x), torch.exp(x - merged))
-        return w.transpose(1, 2).unsqueeze(-1)
-    return o * weight(total) + out * weight(lse), merged
+    return gqa_geometry.combine(torch.stack([acc[0], out]), torch.stack([acc[1], lse]))
 
 
 def _ring_forward(transport, q, k, v, causal, scale):

@@ -669,6 +669,11 @@ def test_flash_attention_3_stand_in_maps_its_arguments():
     expect_out, expect_lse = gqa_module.attention_with_kvcache(q[:, :3], k, v, cache_seqlens=seqlens, return_lse=True, **kw)
     assert torch.equal(out, expect_out) and torch.equal(lse, expect_lse)
     assert fa3.get_scheduler_metadata(2, 33, 33, 6, 2, 16) is None
+    parts = [gqa_module.attention(q, k[:, a:b], v[:, a:b], return_lse=True) for a, b in ((0, 10), (10, 33))]
+    outs, lses = torch.stack([o for o, _ in parts]), torch.stack([l for _, l in parts])
+    combined, combined_lse = fa3.flash_attn_combine(outs, lses.transpose(-1, -2), out_dtype=torch.float64)
+    expect_out, expect_lse = gqa_module.attention_combine(outs, lses, out_dtype=torch.float64)
+    assert torch.equal(combined, expect_out) and torch.equal(combined_lse, expect_lse.transpose(-1, -2))
     for call, feature in ((lambda: fa3.flash_attn_func(q, k, v, qv=q), "qv"),
                           (lambda: fa3.flash_attn_func(q.to(torch.float8_e4m3fn), k, v), "fp8"),
                           (lambda: fa3.flash_attn_func(q, k, v, attention_chunk=8), "attention_chunk"),
@@ -676,7 +681,8 @@ def test_flash_attention_3_stand_in_maps_its_arguments():
                            "seqused_q"),
                           (lambda: fa3.flash_attn_with_kvcache(q, k, v, rotary_cos=k), "kvcache \\(rotary\\)"),
                           (lambda: fa3.flash_attn_with_kvcache(q[0], k, v, cu_seqlens_q=cu), "kvcache \\(packed q"),
-                          (lambda: fa3.flash_attn_combine(out, lse), "combine")):
+                          (lambda: fa3.flash_attn_combine(out[None], lse[None].transpose(-1, -2), out=out),
+                           "combine into a given out")):
         with pytest.raises(pytest.skip.Exception, match="unsupported: " + feature):
             call()
 
@@ -1564,6 +1570,27 @@ def test_gpu_ring_blocks_match_one_call(dtype, causal):
             else:
                 bound = 2 * rel_err(sdpa[index].cpu(), exact[index]) + 1e-3
                 assert rel_err(ring[index].cpu(), exact[index]) <= bound, (world, name)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-14), (torch.float32, 1e-6)])
+def test_attention_combine_equals_one_call_over_all_keys(dtype, tol):
+    """attention_combine of attention() over disjoint key sets (one of them empty) equals one call
+    over all keys, output and log-sum-exp; a row that no part sees gives 0 and -inf; its rules
+    name the argument."""
+    q, k, v = masked_qkv(2, 40, 70, 6, 2, 23, dtype)
+    cuts = (0, 0, 25, 26, 70)   # an empty part, then 25, 1 and 44 keys
+    parts = [gqa_module.attention(q, k[:, a:b], v[:, a:b], return_lse=True) for a, b in zip(cuts, cuts[1:])]
+    out, lse = gqa_module.attention_combine(torch.stack([o for o, _ in parts]), torch.stack([l for _, l in parts]))
+    expect_out, expect_lse = gqa_module.attention(q, k, v, return_lse=True)
+    assert out.dtype == dtype and rel_err(out, expect_out.double()) <= tol and rel_err(lse, expect_lse.double()) <= tol
+    # each half of the keys under a window (3, 3) of its own: some rows see no key in either half
+    windows = [gqa_module.attention(q, k[:, a:b], v[:, a:b], window_size=(3, 3), return_lse=True)
+               for a, b in ((0, 35), (35, 70))]
+    out, lse = gqa_module.attention_combine(torch.stack([o for o, _ in windows]), torch.stack([l for _, l in windows]))
+    blind = torch.isneginf(windows[0][1]) & torch.isneginf(windows[1][1])
+    assert blind.any() and torch.isneginf(lse[blind]).all() and (out.permute(0, 2, 1, 3)[blind] == 0).all()
+    with pytest.raises(ValueError, match=r"combine: outs must be \[S, B, T, H, D\] and lses \[S, B, H, T\]"):
+        gqa_module.attention_combine(out[None], lse[None].transpose(-1, -2))
 
 
 def _ring_worker(rank, world, init, out_dir, causal):

@@ -4,7 +4,7 @@ entries, so that hopper/test_flash_attn.py runs against this library (bench/fa_s
 Each function takes FlashAttention 3's arguments. Its speed knobs (num_splits, pack_gqa,
 scheduler_metadata, sm_margin, deterministic) change nothing here; what the library does not
 compute (fp8, qv, fp8 descaling, attention_chunk, seqused_q, rotary, a packed q over a KV cache,
-the combine of split outputs) skips the test with "unsupported: <feature>", as the FlashAttention 2
+a combine into a given tensor) skips the test with "unsupported: <feature>", as the FlashAttention 2
 stand-in does."""
 import pytest
 
@@ -72,7 +72,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
 
 
 def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
-    _unsupported("combine")
+    if out is not None:
+        _unsupported("combine into a given out")
+    # FlashAttention 3's layouts: out_partial [S, B, T, H, D], lse_partial [S, B, T, H]
+    result, lse = gqa_module.attention_combine(out_partial, lse_partial.transpose(-1, -2), out_dtype=out_dtype)
+    return result, lse.transpose(-1, -2)
 
 
 def get_scheduler_metadata(*args, **kwargs):
