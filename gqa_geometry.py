@@ -32,6 +32,11 @@ import operator
 
 import torch
 
+def wide_dtype(dtype):
+    """The type that sums, merges and log-sum-exps run in: float64 for float64, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 Geometry = collections.namedtuple("Geometry", "Tq Tk causal left right scale softcap return_lse")
 Sequence = collections.namedtuple("Sequence", "q0 Tq k0 Tk")   # one sequence of a packed call
 
@@ -126,7 +131,7 @@ def attention_torch(q, k, v, geo):
     B, Tq, Hq, D = q.shape
     Hkv = k.shape[2]
     group = Hq // Hkv
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = wide_dtype(q.dtype)
     # [B, Hkv, group, Tq, D] and [B, Hkv, Tk, D] in the accumulation type
     qa = q.to(acc).reshape(B, Tq, Hkv, group, D).permute(0, 2, 3, 1, 4)
     ka, va = k.to(acc).permute(0, 2, 1, 3), v.to(acc).permute(0, 2, 1, 3)
@@ -258,7 +263,7 @@ def per_sequence(run, q, k, v, seqs, return_lse):
     [Hq, total_q] with return_lse. Rows past the last sequence: output 0, log-sum-exp -inf.
     Differentiable where run is."""
     total_q, Hq, D = q.shape
-    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse_dtype = wide_dtype(q.dtype)
     outs, lses, row = [], [], 0
     def gap(rows):   # rows of no sequence
         outs.append(q.new_zeros(rows, Hq, D))
@@ -338,26 +343,24 @@ def kvcache_rows(q, k_cache, k_new, cache_seqlens, cache_batch_idx, cache_leftpa
     return rows
 
 
-def cache_keys(cache, where, first, end):
-    """Rows first .. end - 1 of one batch row's cache: a view of a contiguous cache's row `where`,
-    or the rows gathered from the pages `where` of a pool [pages, page_size, Hkv, D]."""
+def _cache_rows(cache, where, first, end):
+    """The index of rows first .. end - 1 of one batch row's cache: of a contiguous cache's row
+    `where`, or through the pages `where` of a pool [pages, page_size, Hkv, D]."""
     if isinstance(where, int):
-        return cache[where, first:end]
-    size = cache.shape[1]
+        return where, slice(first, end)
     positions = torch.arange(first, end, device=cache.device)
-    pages = torch.tensor(where, dtype=torch.long, device=cache.device)[positions // size]
-    return cache[pages, positions % size]
+    size = cache.shape[1]
+    return torch.tensor(where, dtype=torch.long, device=cache.device)[positions // size], positions % size
+
+
+def cache_keys(cache, where, first, end):
+    """Rows first .. end - 1 of one batch row's cache (a view where the cache is contiguous)."""
+    return cache[_cache_rows(cache, where, first, end)]
 
 
 def write_cache(cache, where, start, new):
     """new [Tnew, Hkv, D] into one batch row's cache from position `start`, in place."""
-    if isinstance(where, int):
-        cache[where, start:start + new.shape[0]] = new
-        return
-    size = cache.shape[1]
-    positions = torch.arange(start, start + new.shape[0], device=cache.device)
-    pages = torch.tensor(where, dtype=torch.long, device=cache.device)[positions // size]
-    cache[pages, positions % size] = new
+    cache[_cache_rows(cache, where, start, start + new.shape[0])] = new
 
 
 # ------------------------------------------------------------------------------------------------
@@ -372,7 +375,7 @@ def combine(outs, lses, out_dtype=None):
             or lses.shape != (outs.shape[0], outs.shape[1], outs.shape[3], outs.shape[2]):
         raise ValueError("combine: outs must be [S, B, T, H, D] and lses [S, B, H, T], got %s and %s"
                          % (tuple(getattr(outs, "shape", ())), tuple(getattr(lses, "shape", ()))))
-    wide = torch.float64 if outs.dtype == torch.float64 else torch.float32
+    wide = wide_dtype(outs.dtype)
     lses = lses.to(wide)
     lse = torch.logsumexp(lses, dim=0)
     weights = torch.exp(lses - lse)

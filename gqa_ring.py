@@ -106,13 +106,14 @@ class _Distributed:
 # ------------------------------------------------------------------------------------------------
 # The ring
 def _wide(x):
-    """x in the merge's and the backward's type: float64 for float64 inputs, float32 otherwise."""
-    return x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    """x in the merge's and the backward's type (gqa_geometry.wide_dtype)."""
+    return x.to(gqa_geometry.wide_dtype(x.dtype))
 
 
 def _merge(acc, out, lse):
     """acc (o [B, n, Hq, D], lse [B, Hq, n], both _wide) merged with one block's (out, lse)."""
-    out, lse = _wide(out), lse.to(torch.float64 if out.dtype == torch.float64 else torch.float32)
+    out = _wide(out)
+    lse = lse.to(out.dtype)
     if acc is None:
         return out, lse
     return gqa_geometry.combine(torch.stack([acc[0], out]), torch.stack([acc[1], lse]))
