@@ -12,6 +12,17 @@ formed, their rules (one copy, here), and the PyTorch implementation that CPU te
 - A row that sees no key gives an output of 0 and a log-sum-exp of -inf (FlashAttention-3's rule).
 - The log-sum-exp is the natural log, laid out [B, Hq, Tq] as FlashAttention's, in float32
   (float64 for float64 inputs).
+- Packed sequences (attention_varlen, flash_attn_varlen_func's conventions): q [total_q, Hq, D],
+  k and v [total_k, Hkv, D]; sequence b is q rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1
+  against k and v rows cu_seqlens_k[b] .. cu_seqlens_k[b + 1] - 1 (only the first seqused_k[b]
+  of those where seqused_k is given), every rule above applying within each sequence. Rows of q
+  past cu_seqlens_q[-1] belong to no sequence: output 0 and log-sum-exp -inf. The log-sum-exp of
+  a packed call is [Hq, total_q].
+- A KV cache (attention_with_kvcache, flash_attn_with_kvcache's conventions): batch row b of q
+  [B, Tq, Hq, D] attends cache rows cache_leftpad[b] .. cache_seqlens[b] + Tnew - 1 of its cache
+  (row c = cache_batch_idx[b], default b, of k_cache [B_cache, Tk_max, Hkv, D], or the pages
+  page_table[c] of a pool [pages, page_size, Hkv, D]), after k and v [B, Tnew, Hkv, D] are written
+  there in place from position cache_seqlens[b]; every rule above applying to each row's keys.
 """
 
 import collections
@@ -21,7 +32,13 @@ import operator
 
 import torch
 
+def wide_dtype(dtype):
+    """The type that sums, merges and log-sum-exps run in: float64 for float64, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 Geometry = collections.namedtuple("Geometry", "Tq Tk causal left right scale softcap return_lse")
+Sequence = collections.namedtuple("Sequence", "q0 Tq k0 Tk")   # one sequence of a packed call
 
 
 def _is_real(x):
@@ -114,7 +131,7 @@ def attention_torch(q, k, v, geo):
     B, Tq, Hq, D = q.shape
     Hkv = k.shape[2]
     group = Hq // Hkv
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = wide_dtype(q.dtype)
     # [B, Hkv, group, Tq, D] and [B, Hkv, Tk, D] in the accumulation type
     qa = q.to(acc).reshape(B, Tq, Hkv, group, D).permute(0, 2, 3, 1, 4)
     ka, va = k.to(acc).permute(0, 2, 1, 3), v.to(acc).permute(0, 2, 1, 3)
@@ -151,23 +168,217 @@ def _row_by_row(geo, qa, ka, va):
             lses.append(qa.new_full((B, Hkv, group), -math.inf))
             continue
         s = _scores(geo, qa[:, :, :, i], ka[:, :, first:last + 1])   # [B, Hkv, group, keys]
-        row_lse = torch.logsumexp(s, dim=-1, keepdim=True)
-        outs.append(torch.matmul(torch.exp(s - row_lse), va[:, :, first:last + 1]))
-        lses.append(row_lse.squeeze(-1))
+        # torch.softmax's weights: a row with a score of +inf has NaN weights at every key (SDPA's
+        # and FlashAttention's references); its log-sum-exp is torch.logsumexp's +inf
+        outs.append(torch.matmul(torch.softmax(s, dim=-1), va[:, :, first:last + 1]))
+        lses.append(torch.logsumexp(s, dim=-1))
     return torch.stack(outs, dim=3), torch.stack(lses, dim=3)
 
 
-def cuda_gap(geo, D):
-    """What the call asks for that the CUDA kernels of this version do not run, in words, or None."""
-    if geo.return_lse:
-        return "return_lse=True"
-    if geo.Tq != geo.Tk:
-        return "Tq != Tk (%d queries, %d keys)" % (geo.Tq, geo.Tk)
-    if not is_causal_square(geo):
-        return "causal=%s with window_size=(%d, %d)" % (geo.causal, geo.left, geo.right)
+def takes_causal_kernels(geo, D):
+    """Whether a CUDA call is causal attention with Tq = Tk, the default scale (within float32
+    rounding) and no log-sum-exp output: the tensor-core kernels of causal_gqa_attention."""
     default = 1.0 / math.sqrt(D)
-    if abs(geo.scale - default) > default * 2.0 ** -24:
-        return "softmax_scale=%r" % geo.scale
+    return (not geo.return_lse and geo.softcap == 0 and is_causal_square(geo)
+            and abs(geo.scale - default) <= default * 2.0 ** -24)
+
+
+def cuda_gap(geo, D):
+    """What the call asks for that the CUDA kernels of this version do not run, in words, or None
+    (the row-wise kernels take every geometry and scale, and the log-sum-exp)."""
     if geo.softcap > 0:
         return "softcap=%r" % geo.softcap
     return None
+
+
+# ------------------------------------------------------------------------------------------------
+# Packed sequences
+def _seqlens(name, x, q, count=None, entry="attention_varlen"):
+    """cu_seqlens_q, cu_seqlens_k, seqused_k (or a KV cache's per-row ints) as a list of ints,
+    checked as FlashAttention takes them: a 1-D int32 tensor on q's device (of `count` values
+    where given)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError("%s: %s must be a torch.Tensor (int32), got %s" % (entry, name, type(x).__name__))
+    if x.dtype != torch.int32 or x.dim() != 1:
+        raise ValueError("%s: %s must be a 1-D int32 tensor, got %s of shape %s" % (entry, name, x.dtype, tuple(x.shape)))
+    if x.device != q.device:
+        raise ValueError("%s: %s must be on q's device %s, got %s" % (entry, name, q.device, x.device))
+    if count is not None and x.numel() != count:
+        raise ValueError("%s: %s must have %d values (one per sequence), got %d" % (entry, name, count, x.numel()))
+    return x.tolist()
+
+
+def _offsets(name, values, total, tensor_name):
+    """The checked offsets of one side: 0 first, never decreasing, the last at most the rows of
+    `tensor_name`."""
+    if not values or values[0] != 0:
+        raise ValueError("attention_varlen: %s must start with 0 (it has batch + 1 values), got %s"
+                         % (name, values[:4]))
+    for b in range(len(values) - 1):
+        if values[b + 1] < values[b]:
+            raise ValueError("attention_varlen: %s must not decrease, got %d then %d at %d"
+                             % (name, values[b], values[b + 1], b))
+    if values[-1] > total:
+        raise ValueError("attention_varlen: %s ends at %d, past the %d rows of %s"
+                         % (name, values[-1], total, tensor_name))
+    return values
+
+
+def varlen_sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None):
+    """The sequences of a packed call (q [total_q, Hq, D], k [total_k, Hkv, D]) as Sequence
+    tuples, or a TypeError or ValueError naming the argument and its rule. max_seqlen_q and
+    max_seqlen_k must be at least the longest sequence (FlashAttention sizes its grid by them; a
+    smaller one would leave rows unwritten there)."""
+    starts_q = _offsets("cu_seqlens_q", _seqlens("cu_seqlens_q", cu_seqlens_q, q), q.shape[0], "q")
+    starts_k = _offsets("cu_seqlens_k", _seqlens("cu_seqlens_k", cu_seqlens_k, q), k.shape[0], "k")
+    if len(starts_q) != len(starts_k):
+        raise ValueError("attention_varlen: cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), "
+                         "got %d and %d" % (len(starts_q), len(starts_k)))
+    batch = len(starts_q) - 1
+    lens_q = [starts_q[b + 1] - starts_q[b] for b in range(batch)]
+    lens_k = [starts_k[b + 1] - starts_k[b] for b in range(batch)]
+    if seqused_k is not None:
+        used = _seqlens("seqused_k", seqused_k, q, batch)
+        for b in range(batch):
+            if not 0 <= used[b] <= lens_k[b]:
+                raise ValueError("attention_varlen: seqused_k[%d] must be in 0 .. %d (that sequence's keys in "
+                                 "cu_seqlens_k), got %d" % (b, lens_k[b], used[b]))
+        lens_k = used
+    for name, given, lens in (("max_seqlen_q", max_seqlen_q, lens_q), ("max_seqlen_k", max_seqlen_k, lens_k)):
+        try:
+            value = None if isinstance(given, bool) else operator.index(given)
+        except TypeError:
+            value = None
+        if value is None:
+            raise TypeError("attention_varlen: %s must be an int, got %s" % (name, type(given).__name__))
+        if value < max(lens, default=0):
+            raise ValueError("attention_varlen: %s (%d) must be at least the longest sequence (%d)"
+                             % (name, value, max(lens, default=0)))
+    return [Sequence(starts_q[b], lens_q[b], starts_k[b], lens_k[b]) for b in range(batch)]
+
+
+def per_sequence(run, q, k, v, seqs, return_lse):
+    """A packed call assembled from one call per sequence: run(q_b, k_b, v_b) on [1, T, H, D]
+    slices gives (out [1, Tq, Hq, D], lse [1, Hq, Tq] or None); -> out [total_q, Hq, D], and lse
+    [Hq, total_q] with return_lse. Rows past the last sequence: output 0, log-sum-exp -inf.
+    Differentiable where run is."""
+    total_q, Hq, D = q.shape
+    lse_dtype = wide_dtype(q.dtype)
+    outs, lses, row = [], [], 0
+    def gap(rows):   # rows of no sequence
+        outs.append(q.new_zeros(rows, Hq, D))
+        lses.append(torch.full((Hq, rows), -math.inf, dtype=lse_dtype, device=q.device))
+    for seq in seqs:   # cu_seqlens_q's sequences lie one after another from row 0
+        if seq.Tq == 0:
+            continue
+        keys = slice(seq.k0, seq.k0 + seq.Tk)
+        out, lse = run(q[seq.q0:seq.q0 + seq.Tq].unsqueeze(0), k[keys].unsqueeze(0), v[keys].unsqueeze(0))
+        outs.append(out[0])
+        lses.append(lse[0] if lse is not None else None)
+        row = seq.q0 + seq.Tq
+    if row < total_q or not outs:
+        gap(total_q - row)
+    out = torch.cat(outs, dim=0)
+    return (out, torch.cat(lses, dim=1)) if return_lse else out
+
+
+# ------------------------------------------------------------------------------------------------
+# KV caches
+def _per_row(name, x, q, batch, default):
+    """cache_seqlens, cache_batch_idx or cache_leftpad as a list of `batch` ints: `default` for
+    None, an int for every row, or a 1-D int32 tensor on q's device."""
+    if x is None:
+        return [default] * batch
+    if isinstance(x, int) and not isinstance(x, bool) and name == "cache_seqlens":
+        return [x] * batch
+    if not isinstance(x, torch.Tensor):
+        raise TypeError("attention_with_kvcache: %s must be a torch.Tensor (int32)%s, got %s"
+                        % (name, " or an int" if name == "cache_seqlens" else "", type(x).__name__))
+    return _seqlens(name, x, q, batch, "attention_with_kvcache")
+
+
+def kvcache_rows(q, k_cache, k_new, cache_seqlens, cache_batch_idx, cache_leftpad, page_table):
+    """Where each batch row's keys lie in a KV cache: a list of (cache index or page list, first
+    key, end of the keys, where k_new goes), checked, or a TypeError or ValueError naming the
+    argument and its rule. Batch row b reads cache row cache_batch_idx[b] (default b): of k_cache,
+    or of page_table, whose row lists the pages (FlashAttention 3's meaning with pages). Tk_max is
+    k_cache's rows, or page_table's pages times the page size."""
+    B = q.shape[0]
+    index = _per_row("cache_batch_idx", cache_batch_idx, q, B, None)
+    if page_table is not None:
+        if not isinstance(page_table, torch.Tensor) or page_table.dtype != torch.int32 or page_table.dim() != 2:
+            got = ("%s of shape %s" % (page_table.dtype, tuple(page_table.shape)) if isinstance(page_table, torch.Tensor)
+                   else type(page_table).__name__)
+            raise ValueError("attention_with_kvcache: page_table must be a 2-D int32 tensor [cache rows, pages], got %s"
+                             % got)
+        if page_table.device != q.device:
+            raise ValueError("attention_with_kvcache: page_table must be on q's device %s, got %s"
+                             % (q.device, page_table.device))
+        table = page_table.tolist()
+        for r, row in enumerate(table):
+            for page in row:
+                if not 0 <= page < k_cache.shape[0]:
+                    raise ValueError("attention_with_kvcache: page_table[%d] holds page %d, outside the %d pages "
+                                     "of k_cache" % (r, page, k_cache.shape[0]))
+        tk_max, cache_rows = page_table.shape[1] * k_cache.shape[1], page_table.shape[0]
+    else:
+        tk_max, cache_rows = k_cache.shape[1], k_cache.shape[0]
+    seqlens = _per_row("cache_seqlens", cache_seqlens, q, B, tk_max)
+    leftpad = _per_row("cache_leftpad", cache_leftpad, q, B, 0)
+    t_new = 0 if k_new is None else k_new.shape[1]
+    rows = []
+    for b in range(B):
+        if not 0 <= seqlens[b] <= tk_max - t_new:
+            raise ValueError("attention_with_kvcache: cache_seqlens[%d] must be in 0 .. %d (the cache's %d rows less "
+                             "the %d new keys), got %d" % (b, tk_max - t_new, tk_max, t_new, seqlens[b]))
+        if not 0 <= leftpad[b] <= seqlens[b]:
+            raise ValueError("attention_with_kvcache: cache_leftpad[%d] must be in 0 .. cache_seqlens[%d] (%d), got %d"
+                             % (b, b, seqlens[b], leftpad[b]))
+        row = b if index[b] is None else index[b]
+        if not 0 <= row < cache_rows:
+            raise ValueError("attention_with_kvcache: %s (%d) must index the %d rows of %s"
+                             % ("cache_batch_idx[%d]" % b if index[b] is not None else "batch row %d" % b, row,
+                                cache_rows, "page_table" if page_table is not None else "k_cache"))
+        rows.append((table[row] if page_table is not None else row, leftpad[b], seqlens[b] + t_new, seqlens[b]))
+    return rows
+
+
+def _cache_rows(cache, where, first, end):
+    """The index of rows first .. end - 1 of one batch row's cache: of a contiguous cache's row
+    `where`, or through the pages `where` of a pool [pages, page_size, Hkv, D]."""
+    if isinstance(where, int):
+        return where, slice(first, end)
+    positions = torch.arange(first, end, device=cache.device)
+    size = cache.shape[1]
+    return torch.tensor(where, dtype=torch.long, device=cache.device)[positions // size], positions % size
+
+
+def cache_keys(cache, where, first, end):
+    """Rows first .. end - 1 of one batch row's cache (a view where the cache is contiguous)."""
+    return cache[_cache_rows(cache, where, first, end)]
+
+
+def write_cache(cache, where, start, new):
+    """new [Tnew, Hkv, D] into one batch row's cache from position `start`, in place."""
+    cache[_cache_rows(cache, where, start, start + new.shape[0])] = new
+
+
+# ------------------------------------------------------------------------------------------------
+# Partial results
+def combine(outs, lses, out_dtype=None):
+    """Attention over the union of disjoint key sets from its parts: outs [S, B, T, H, D] and lses
+    [S, B, H, T] (each part's output and natural-log log-sum-exp, attention()'s layouts) -> (out
+    [B, T, H, D] in out_dtype, default outs', lse [B, H, T]). lse = logsumexp over the parts; out =
+    sum of exp(lse_s - lse) out_s, in float32 (float64 for float64 parts); a row no part saw
+    (every lse -inf) gives 0 and -inf."""
+    if not isinstance(outs, torch.Tensor) or not isinstance(lses, torch.Tensor) or outs.dim() != 5 \
+            or lses.shape != (outs.shape[0], outs.shape[1], outs.shape[3], outs.shape[2]):
+        raise ValueError("combine: outs must be [S, B, T, H, D] and lses [S, B, H, T], got %s and %s"
+                         % (tuple(getattr(outs, "shape", ())), tuple(getattr(lses, "shape", ()))))
+    wide = wide_dtype(outs.dtype)
+    lses = lses.to(wide)
+    lse = torch.logsumexp(lses, dim=0)
+    weights = torch.exp(lses - lse)
+    weights = torch.where(torch.isneginf(lse), torch.zeros_like(weights), weights)   # no part saw the row
+    out = (weights.transpose(2, 3).unsqueeze(-1) * outs.to(wide)).sum(dim=0)
+    return out.to(out_dtype or outs.dtype), lse

@@ -23,6 +23,7 @@ import ast
 import ctypes
 import hashlib
 import os
+import re
 import sys
 import time
 
@@ -70,6 +71,9 @@ def kernel_source_sha256(files=None):
     return digest.hexdigest()
 
 
+_PROJECT_INCLUDE = re.compile(r'\s*#\s*include\s*"([^"]+)"\s*(//.*)?$')   # a comment may follow
+
+
 def _translation_unit(files, path, seen=None):
     """kernels/`path` with every `#include "X"` of a file under kernels/ pasted in place, each file
     once (what load_inline compiles: one source text, no include path)."""
@@ -77,9 +81,9 @@ def _translation_unit(files, path, seen=None):
     seen.add(path)
     out = []
     for line in files[path].decode().splitlines(keepends=True):
-        stripped = line.strip()
-        if stripped.startswith('#include "') and stripped.endswith('"'):
-            included = stripped[len('#include "'):-1]
+        match = _PROJECT_INCLUDE.match(line)
+        if match:
+            included = match.group(1)
             if included not in files:
                 raise ValueError("kernels/%s includes %s, which is not under kernels/" % (path, included))
             if included not in seen:
@@ -543,14 +547,14 @@ def build_all():
 
 
 class _FirstOrderGradients(torch.autograd.Function):
-    """dq, dk and dv of the backward op, taken with create_graph=True: the same values, in a graph
+    """dq, dk and dv of a backward op, taken with create_graph=True: the same values, in a graph
     whose backward raises. The backward kernels are not differentiable (FlashAttention's are not
     either); without this node autograd, finding no derivative for the backward op, would return a
     wrong second-order gradient with only a warning."""
 
     @staticmethod
-    def forward(ctx, q, k, v, out, grad_out, lse2):
-        return tuple(getattr(torch.ops, _LIBRARY).causal_attention_backward.default(q, k, v, out, grad_out, lse2))
+    def forward(ctx, backward_op, *args):
+        return tuple(backward_op(*args))
 
     @staticmethod
     def backward(ctx, grad_dq, grad_dk, grad_dv):
@@ -591,8 +595,32 @@ def _register_fake():
     def backward(ctx, grad_out, grad_lse2):
         q, k, v, out, lse2 = ctx.saved_tensors
         if torch.is_grad_enabled():   # create_graph=True: these gradients may be differentiated again
-            return _FirstOrderGradients.apply(q, k, v, out, grad_out, lse2)
+            return _FirstOrderGradients.apply(namespace.causal_attention_backward.default, q, k, v, out, grad_out, lse2)
         return tuple(namespace.causal_attention_backward.default(q, k, v, out, grad_out, lse2))
+
+    # attention_rows: attention() beyond causal attention with Tq = Tk; its log-sum-exp is not
+    # differentiable (its gradient is taken as zero, as FlashAttention does).
+    def like_rows(q, k, v, window_left, window_right, scale):
+        return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+
+    def like_rows_backward(q, k, v, out, grad_out, window_left, window_right, scale):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+    def save_rows(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:3], output[0])
+        ctx.geometry = inputs[3:]
+        ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)
+
+    def rows_backward(ctx, grad_out, grad_lse):
+        if grad_out is None:
+            return None, None, None, None, None, None
+        args = (*ctx.saved_tensors, grad_out, *ctx.geometry)
+        if torch.is_grad_enabled():
+            grads = _FirstOrderGradients.apply(namespace.attention_rows_backward.default, *args)
+        else:
+            grads = namespace.attention_rows_backward.default(*args)
+        return (*grads, None, None, None)
 
     for name in ("causal_attention", "empty_call"):
         torch.library.register_fake("%s::%s" % (_LIBRARY, name))(like_query)
@@ -600,6 +628,9 @@ def _register_fake():
     torch.library.register_fake("%s::causal_attention_backward" % _LIBRARY)(like_inputs)
     torch.library.register_autograd("%s::causal_attention_trainable" % _LIBRARY, backward,
                                     setup_context=save_inputs_and_outputs)
+    torch.library.register_fake("%s::attention_rows" % _LIBRARY)(like_rows)
+    torch.library.register_fake("%s::attention_rows_backward" % _LIBRARY)(like_rows_backward)
+    torch.library.register_autograd("%s::attention_rows" % _LIBRARY, rows_backward, setup_context=save_rows)
     namespace._gqa_fake_registered = True
 
 
@@ -706,12 +737,11 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     [B, Tq, Hq, D], k and v [B, Tk, Hkv, D] -> out [B, Tq, Hq, D] in q's dtype, or (out, lse [B,
     Hq, Tq]) with return_lse=True. causal defaults to False, as flash_attn_func's does.
 
-    In this version Tq must equal Tk. CPU tensors run every other option through PyTorch
-    (differentiable, the log-sum-exp too). CUDA tensors run the kernels of causal_gqa_attention:
-    causal attention (causal=True, or a window that equals it) with the default softmax_scale
-    (within float32 rounding), no softcap and no log-sum-exp output; any other option raises a
-    NotImplementedError naming it. The input tensors' rules (kernels/checks.h) speak in
-    causal_gqa_attention's name."""
+    CPU tensors run every option through PyTorch (differentiable, the log-sum-exp too). CUDA
+    tensors run the kernels of causal_gqa_attention for causal attention with Tq = Tk (causal=True,
+    or a window that equals it), the default softmax_scale (within float32 rounding) and no
+    log-sum-exp output; every other option but softcap runs the row-wise kernels of any geometry
+    (slower; the log-sum-exp not differentiable there); softcap raises a NotImplementedError."""
     import gqa_geometry
 
     _require_tensors(q, k, v, "attention")
@@ -721,14 +751,109 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
             gap = gqa_geometry.cuda_gap(geo, q.shape[3])
             if gap:
                 raise NotImplementedError(
-                    "attention: on CUDA tensors this version runs causal attention with Tq = Tk, the default "
-                    "softmax_scale (1 / sqrt(head_dim)), no softcap and no log-sum-exp output; this call asks "
+                    "attention: on CUDA tensors this version runs every option but softcap; this call asks "
                     "for %s. CPU tensors run every option." % gap)
+            if not gqa_geometry.takes_causal_kernels(geo, q.shape[3]):
+                ops = _OPS if _OPS is not None else load_extension(first_call=(q, k, v))
+                out, lse = ops.attention_rows(q, k, v, geo.left, geo.right, geo.scale)
+                return (out, lse) if return_lse else out
         return causal_gqa_attention(q, k, v)
-    _not_on_cuda(q, k, v, run=False)
+    load_cpu_library().check_inputs.default(q, k, v, "attention", False)
     geo = gqa_geometry.arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse)
     out, lse = gqa_geometry.attention_torch(q, k, v, geo)
     return (out, lse) if return_lse else out
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                     softmax_scale=None, window_size=(-1, -1), softcap=0.0, seqused_k=None, return_lse=False):
+    """Packed sequences with flash_attn_varlen_func's arguments and meanings (gqa_geometry.py):
+    q [total_q, Hq, D], k and v [total_k, Hkv, D], int32 cu_seqlens_q and cu_seqlens_k of batch + 1
+    offsets, optional int32 seqused_k -> out [total_q, Hq, D], or (out, lse [Hq, total_q]). Every
+    option of attention() applies within each sequence (causal aligned bottom-right per sequence).
+
+    This version runs one attention() call per sequence (on CUDA tensors, attention()'s kernels,
+    the row-wise ones where a sequence is not causal with Tq = Tk), after reading the offsets to
+    the host: correct, not yet a single launch."""
+    import gqa_geometry
+
+    _require_tensors(q, k, v, "attention_varlen")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.dim() != 3:
+            raise ValueError("attention_varlen: %s must be 3-D (total, heads, head_dim), got shape %s"
+                             % (name, tuple(x.shape)))
+    if not _on_cuda(q, k, v):
+        load_cpu_library().check_inputs.default(q[None], k[None], v[None], "attention_varlen", False)
+    seqs = gqa_geometry.varlen_sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
+    options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
+    gqa_geometry.arguments(q[None], k[None], return_lse=return_lse, **options)   # the options' rules, once
+
+    def run(q_b, k_b, v_b):
+        result = attention(q_b, k_b, v_b, return_lse=return_lse, **options)
+        return result if return_lse else (result, None)
+    return gqa_geometry.per_sequence(run, q, k, v, seqs, return_lse)
+
+
+def attention_combine(outs, lses, out_dtype=None):
+    """The attention of parts over disjoint keys combined by their log-sum-exps (cascade
+    inference, split keys, ring attention): outs [S, B, T, H, D], lses [S, B, H, T] as attention()
+    returns them -> (out [B, T, H, D], lse [B, H, T]); gqa_geometry.combine states the rule."""
+    import gqa_geometry
+
+    return gqa_geometry.combine(outs, lses, out_dtype)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
+                           cache_leftpad=None, page_table=None, causal=False, softmax_scale=None,
+                           window_size=(-1, -1), softcap=0.0, return_lse=False):
+    """Attention over a KV cache with flash_attn_with_kvcache's arguments and meanings
+    (gqa_geometry.py): q [B, Tq, Hq, D]; k_cache and v_cache [B_cache, Tk_max, Hkv, D], or with
+    page_table (int32 [B, pages]) pools [pages, page_size, Hkv, D]; k and v [B, Tnew, Hkv, D], if
+    given, written into the caches in place at cache_seqlens (an int or int32 [B]; default: the
+    whole cache) before attending; cache_batch_idx and cache_leftpad as FlashAttention's. -> out
+    [B, Tq, Hq, D], or (out, lse [B, Hq, Tq]). For inference: no gradients, as FlashAttention's.
+
+    This version makes one attention() call per batch row over that row's keys (on CUDA tensors
+    the row-wise kernels where Tq != Tk), after reading the lengths to the host: correct, not yet
+    the split-KV decode kernels."""
+    import gqa_geometry
+
+    entry = "attention_with_kvcache"
+    _require_tensors(q, k_cache, v_cache, entry)
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.dim() != 4:
+            raise ValueError("%s: %s must be 4-D, got shape %s" % (entry, name, tuple(x.shape)))
+    if k_cache.shape != v_cache.shape:
+        raise ValueError("%s: k_cache and v_cache must have one shape, got %s and %s"
+                         % (entry, tuple(k_cache.shape), tuple(v_cache.shape)))
+    Hkv, D = k_cache.shape[2], k_cache.shape[3]
+    if (k is None) != (v is None):
+        raise ValueError("%s: k and v (the new keys and values) must be given together" % entry)
+    if k is not None:
+        _require_tensors(q, k, v, entry)
+        for name, x in (("k", k), ("v", v)):
+            if x.dim() != 4 or x.shape[0] != q.shape[0] or x.shape[2:] != (Hkv, D) or x.shape != k.shape:
+                raise ValueError("%s: %s must be [batch (%d), new keys, Hkv (%d), head_dim (%d)] like k, got %s"
+                                 % (entry, name, q.shape[0], Hkv, D, tuple(x.shape)))
+            if x.dtype != k_cache.dtype or x.device != k_cache.device:
+                raise ValueError("%s: %s must have k_cache's dtype and device (%s, %s), got %s, %s"
+                                 % (entry, name, k_cache.dtype, k_cache.device, x.dtype, x.device))
+    rows = gqa_geometry.kvcache_rows(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, page_table)
+    options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                   return_lse=return_lse)
+    gqa_geometry.arguments(q, q, **options)   # the options' rules, before the caches change
+    with torch.no_grad():
+        if k is not None:
+            for b, (where, _, _, start) in enumerate(rows):
+                gqa_geometry.write_cache(k_cache, where, start, k[b])
+                gqa_geometry.write_cache(v_cache, where, start, v[b])
+        results = [attention(q[b:b + 1], gqa_geometry.cache_keys(k_cache, where, first, end)[None],
+                             gqa_geometry.cache_keys(v_cache, where, first, end)[None], **options)
+                   for b, (where, first, end, _) in enumerate(rows)]
+    if not return_lse:
+        return torch.cat(results, dim=0) if results else q.new_empty(q.shape)
+    if not results:
+        return q.new_empty(q.shape), torch.empty(0, q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
+    return torch.cat([out for out, _ in results], dim=0), torch.cat([lse for _, lse in results], dim=0)
 # bundle: end general-entry
 
 
@@ -816,6 +941,21 @@ _BUNDLE_REGIONS = {
     "general-entry": '''def attention(q, k, v, **options):
     raise RuntimeError("attention: this single-file build of gqa_module runs causal_gqa_attention and "
                        "ModelNew only; gqa_module.py (with gqa_geometry.py beside it) has attention.")
+
+
+def attention_varlen(q, k, v, *args, **options):
+    raise RuntimeError("attention_varlen: this single-file build of gqa_module runs causal_gqa_attention and "
+                       "ModelNew only; gqa_module.py (with gqa_geometry.py beside it) has attention_varlen.")
+
+
+def attention_combine(outs, lses, out_dtype=None):
+    raise RuntimeError("attention_combine: this single-file build of gqa_module runs causal_gqa_attention and "
+                       "ModelNew only; gqa_module.py (with gqa_geometry.py beside it) has attention_combine.")
+
+
+def attention_with_kvcache(q, k_cache, v_cache, *args, **options):
+    raise RuntimeError("attention_with_kvcache: this single-file build of gqa_module runs causal_gqa_attention and "
+                       "ModelNew only; gqa_module.py (with gqa_geometry.py beside it) has attention_with_kvcache.")
 ''',
     "command-line": '''# ------------------------------------------------------------------------------------------------
 # Run as a script (as a harness that precompiles does): build or find the library, and load it.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The landing cycle of a kernel change on a GPU machine, in two commands of under ten minutes each,
+# The landing cycle of a kernel change on a GPU machine, in three commands of under ten minutes each,
 # writing everything under $OUT (default /tmp/landing):
 #
 #   bash bench/landing.sh tests   # every unit built at once; the sanitizer and (where .kb/src is
@@ -7,13 +7,15 @@
 #                                 # (setsid, so they outlive this command); the GPU tests (`-m gpu`;
 #                                 # pytest-xdist workers where it is installed) beside them
 #   bash bench/landing.sh bench   # waits for both, copies their JSONs, then the benchmark alone
+#   bash bench/landing.sh suites  # bench/uneven_backward.py and FlashAttention's test files on CUDA
 #
 # The second command runs on the same machine after the first (it waits for that sanitizer; $OUT
 # may be emptied in between, so copy the first command's files away first). SANITIZER_FROM names a committed partial
 # sanitizer JSON to resume from (bench/sanitize.py --resume: its passed tools are kept when the
 # kernels, seed, cases and versions match); BENCH_ARGS replaces the benchmark's arguments
-# (default --no-sweep --backward). The bench step then runs bench/uneven_backward.py and, where
-# .fa/test_flash_attn.py is carried (FA_SOURCE names its repository and commit), bench/fa_suite.py.
+# (default --no-sweep --backward). The suites step runs bench/uneven_backward.py and, where
+# .fa/test_flash_attn.py (and .fa/hopper/: FlashAttention 3's test file with its padding.py and
+# test_util.py) are carried (FA_SOURCE names their repository and commit), bench/fa_suite.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/landing}
@@ -58,16 +60,22 @@ bench)
     timeout 420 python3 bench/bench_gqa.py ${BENCH_ARGS:---no-sweep --backward} --out "$out" >"$out/bench.log" 2>&1
     echo "bench exit $?"
     tail -40 "$out/bench.log"
+    ;;
+suites)
     # After the benchmark (they would disturb its timings): the fp32 backward on uneven inputs, and
-    # FlashAttention's own test file on CUDA tensors where it was carried as .fa/test_flash_attn.py
+    # FlashAttention's own test files on CUDA tensors where they were carried
     timeout 120 python3 bench/uneven_backward.py --out "$out/uneven_backward.json" 2>&1 | tail -3
     if [ -f .fa/test_flash_attn.py ]; then
         timeout 300 python3 bench/fa_suite.py --tests .fa/test_flash_attn.py --source "${FA_SOURCE:-}" \
             --device cuda --sample 300 --seed 53 --out "$out/fa_suite_cuda.json" 2>&1 | tail -12
     fi
+    if [ -f .fa/hopper/test_flash_attn.py ]; then   # FlashAttention 3's, with its padding.py and test_util.py
+        timeout 300 python3 bench/fa_suite.py --tests .fa/hopper/test_flash_attn.py --source "${FA_SOURCE:-}" \
+            --device cuda --sample 300 --seed 53 --out "$out/fa_suite_hopper_cuda.json" 2>&1 | tail -12
+    fi
     ;;
 *)
-    echo "usage: bash bench/landing.sh tests|bench" >&2
+    echo "usage: bash bench/landing.sh tests|bench|suites" >&2
     exit 2
     ;;
 esac

@@ -146,6 +146,17 @@ BACKWARD_CASES = (
 
 
 BACKWARD_PLANS = tuple(sorted({case[0] for case in BACKWARD_CASES}))
+
+# attention() beyond causal attention with Tq = Tk: the row-wise kernels of any geometry, forward
+# and backward (plan, B, Tq, Tk, Hq, Hkv, D, dtype, causal, window, softmax_scale), each against
+# float64 autograd of the CPU path. Rows that see no key, windows on both sides, Tq > Tk and < Tk.
+GEOMETRY_CASES = (
+    ("rows/any/fp32",  1,  70,  45,  6,  2,   7, "fp32", True,  (-1, -1), None),   # 25 rows see no key
+    ("rows/any/fp32",  2,  33, 100,  4,  1, 256, "fp32", False, (9, 4),   0.3),
+    ("rows/any/fp16",  1, 129, 200,  4,  2,  40, "fp16", False, (-1, -1), None),
+    ("rows/any/bf16",  2,  65,  65,  6,  3,  96, "bf16", True,  (16, -1), None),
+)
+GEOMETRY_PLANS = tuple(sorted({case[0] for case in GEOMETRY_CASES}))
 FUSED_MIN_T = 129   # the fused cases' GQA_FUSED_BACKWARD_MIN_T
 
 
@@ -153,13 +164,13 @@ def every_plan():
     """The forward plans of the library (all_plans) and the backward's, one per dtype."""
     import gqa_module
 
-    return sorted(gqa_module.all_plans()) + list(BACKWARD_PLANS)
+    return sorted(gqa_module.all_plans()) + list(BACKWARD_PLANS) + list(GEOMETRY_PLANS)
 
 
 def runs():
     """Every run of --run-cases, in order: each case on finite inputs, then with Inf and NaN; the
-    forward plans, then the backward."""
-    return [(case, nonfinite) for case in CASES + BACKWARD_CASES for nonfinite in (False, True)]
+    forward plans, the backward, then the geometries."""
+    return [(case, nonfinite) for case in CASES + BACKWARD_CASES + GEOMETRY_CASES for nonfinite in (False, True)]
 
 
 def _torch_dtype(name):
@@ -169,6 +180,10 @@ def _torch_dtype(name):
 
 
 def case_label(case, nonfinite):
+    if case[0] in GEOMETRY_PLANS:
+        plan, B, Tq, Tk, Hq, Hkv, D, dtype, causal, window, scale = case
+        return "B=%d Tq=%d Tk=%d Hq=%d Hkv=%d D=%d %s causal=%s window=%s scale=%s%s" % (
+            B, Tq, Tk, Hq, Hkv, D, dtype, causal, window, scale, " nonfinite" if nonfinite else "")
     plan, B, T, Hq, Hkv, D, dtype, aligned, allow_tf32 = case
     return "B=%d T=%d Hq=%d Hkv=%d D=%d %s%s%s%s" % (
         B, T, Hq, Hkv, D, dtype, "" if aligned else " offset", " tf32" if allow_tf32 else "",
@@ -284,6 +299,41 @@ def _run_backward(host, q, k, v, grad_host, reference):
     return grads, exact
 
 
+def _run_geometry(case, nonfinite, gen):
+    """One GEOMETRY_CASES run: attention() forward and backward on CUDA tensors against float64
+    autograd of the CPU path; (ok, detail)."""
+    import torch
+
+    import gqa_geometry
+    import gqa_module
+
+    plan, B, Tq, Tk, Hq, Hkv, D, dtype, causal, window, scale = case
+    host = {name: torch.randn(B, T, H, D, generator=gen).to(_torch_dtype(dtype))
+            for name, T, H in (("q", Tq, Hq), ("k", Tk, Hkv), ("v", Tk, Hkv))}
+    if nonfinite:
+        for name, where, value in _nonfinite_positions(B, min(Tq, Tk), Hq, Hkv, D):
+            host[name][where] = value
+    grad_host = torch.randn(B, Tq, Hq, D, generator=gen).to(_torch_dtype(dtype))
+    leaves = [_upload(host[name], True).requires_grad_(True) for name in ("q", "k", "v")]
+    out, lse = gqa_module.attention(*leaves, causal=causal, window_size=window, softmax_scale=scale, return_lse=True)
+    grads = torch.autograd.grad(out, leaves, _upload(grad_host, True))
+    torch.cuda.synchronize()
+    got = [out.detach().cpu(), lse.cpu()] + [g.cpu() for g in grads]
+    exact_leaves = [host[name].double().requires_grad_(True) for name in ("q", "k", "v")]
+    geo = gqa_geometry.arguments(exact_leaves[0], exact_leaves[1], causal, scale, window, 0.0, True)
+    ref_out, ref_lse = gqa_geometry.attention_torch(*exact_leaves, geo)
+    exact = [ref_out.detach(), ref_lse.detach()] + list(torch.autograd.grad(ref_out, exact_leaves, grad_host.double()))
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, exact):
+        a = a.double()
+        same_kind = all(torch.equal(f(a), f(b)) for f in (torch.isnan, torch.isposinf, torch.isneginf))
+        finite = torch.isfinite(b)
+        err = float((a[finite] - b[finite]).abs().max()) if finite.any() else 0.0
+        bound = LOOSE_TOL[dtype] * (1 + float(b[finite].abs().max()) if finite.any() else 1)
+        if not same_kind or err > bound:
+            return False, "%s: max_err=%.2e (bound %.2e), non-finite %s" % (name, err, bound, "as float64" if same_kind else "differ")
+    return True, "max_err within %.0e" % LOOSE_TOL[dtype]
+
+
 def run_cases(seed, only=None, start=0):
     """Run every case (or those whose plan matches `only`) from number `start` + 1 on; returns the
     process exit code. A case's inputs depend only on the seed and its number."""
@@ -306,38 +356,42 @@ def run_cases(seed, only=None, start=0):
     failed, covered = 0, set()
     started = time.perf_counter()
     for index, (case, nonfinite) in list(enumerate(selected))[start:]:
-        plan, B, T, Hq, Hkv, D, dtype, aligned, allow_tf32 = case
+        plan = case[0]
         case_seed = seed + index
         t0 = time.perf_counter()
         try:
             gen = torch.Generator().manual_seed(case_seed)
-            host = {name: torch.randn(B, T, H, D, generator=gen).to(_torch_dtype(dtype))
-                    for name, H in (("q", Hq), ("k", Hkv), ("v", Hkv))}
-            if nonfinite:
-                for name, where, value in _nonfinite_positions(B, T, Hq, Hkv, D):
-                    host[name][where] = value
-            q, k, v = (_upload(host[name], aligned) for name in ("q", "k", "v"))
-            torch.backends.cuda.matmul.allow_tf32 = allow_tf32
-            if plan in BACKWARD_PLANS:
-                if plan.endswith("/fused"):
-                    os.environ["GQA_FUSED_BACKWARD_MIN_T"] = str(FUSED_MIN_T)
-                got_plan = gqa_module.backward_plan(q, k, v)
-                if got_plan != plan:
-                    raise AssertionError("backward plan %s, expected %s" % (got_plan, plan))
-                grad_host = torch.randn(B, T, Hq, D, generator=gen).to(_torch_dtype(dtype))
-                grads, exact = _run_backward(host, q, k, v, grad_host, reference)
-                del q, k, v
-                ok, detail = check_grads(grads, exact, dtype, nonfinite)
+            if plan in GEOMETRY_PLANS:
+                ok, detail = _run_geometry(case, nonfinite, gen)
             else:
-                got_plan = gqa_module.plan(q, k, v)
-                if got_plan != plan:
-                    raise AssertionError("plan %s, expected %s" % (got_plan, plan))
-                out = gqa_module.causal_gqa_attention(q, k, v)
-                torch.cuda.synchronize()
-                out_host = out.cpu()
-                del q, k, v, out
-                exact = reference.causal_gqa_reference(host["q"], host["k"], host["v"])
-                ok, detail = check_output(out_host, exact, dtype, allow_tf32, nonfinite)
+                plan, B, T, Hq, Hkv, D, dtype, aligned, allow_tf32 = case
+                host = {name: torch.randn(B, T, H, D, generator=gen).to(_torch_dtype(dtype))
+                        for name, H in (("q", Hq), ("k", Hkv), ("v", Hkv))}
+                if nonfinite:
+                    for name, where, value in _nonfinite_positions(B, T, Hq, Hkv, D):
+                        host[name][where] = value
+                q, k, v = (_upload(host[name], aligned) for name in ("q", "k", "v"))
+                torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+                if plan in BACKWARD_PLANS:
+                    if plan.endswith("/fused"):
+                        os.environ["GQA_FUSED_BACKWARD_MIN_T"] = str(FUSED_MIN_T)
+                    got_plan = gqa_module.backward_plan(q, k, v)
+                    if got_plan != plan:
+                        raise AssertionError("backward plan %s, expected %s" % (got_plan, plan))
+                    grad_host = torch.randn(B, T, Hq, D, generator=gen).to(_torch_dtype(dtype))
+                    grads, exact = _run_backward(host, q, k, v, grad_host, reference)
+                    del q, k, v
+                    ok, detail = check_grads(grads, exact, dtype, nonfinite)
+                else:
+                    got_plan = gqa_module.plan(q, k, v)
+                    if got_plan != plan:
+                        raise AssertionError("plan %s, expected %s" % (got_plan, plan))
+                    out = gqa_module.causal_gqa_attention(q, k, v)
+                    torch.cuda.synchronize()
+                    out_host = out.cpu()
+                    del q, k, v, out
+                    exact = reference.causal_gqa_reference(host["q"], host["k"], host["v"])
+                    ok, detail = check_output(out_host, exact, dtype, allow_tf32, nonfinite)
         except Exception as exc:   # report and go on: the sanitizer still checks the other cases
             ok, detail = False, "%s: %s" % (type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         finally:

@@ -28,7 +28,8 @@ SERIAL = (DQ_ADD[0], "kPipelined = true;", "kPipelined = false;")   # the fused 
 SCANNED = ("kernels/gqa_params.h", "kGqaFusedScanFree = true;", "kGqaFusedScanFree = false;")   # the inputs' scan first (v95)
 TWO_KERNELS = ("kernels/gqa_params.h", "kGqaFusedBackwardMinT = 8192;", "kGqaFusedBackwardMinT = 1 << 30;")
 X3 = "kernels/bwdx3/bwdx3.cu"
-BWD = "kernels/bwdmma/kernels.cuh"   # the two wgmma/mma.sync backward kernels
+BWD = "kernels/bwdmma/kernels.cuh"   # the two wgmma/mma.sync backward kernels: their shared traits
+BWD_Q, BWD_K = "kernels/bwdmma/query_tiles.cuh", "kernels/bwdmma/key_tiles.cuh"   # kernel 1, kernel 2
 BWD_CP_ASYNC = ("kernels/bwdwg/bwdwg.cu", "static constexpr bool kTma = true;", "static constexpr bool kTma = false;")
 BWD_KEYS_128 = ("kernels/bwdwg/bwdwg.cu", "kKeyGroups = 1;", "kKeyGroups = DP == 256 ? 1 : 2;")
 BWD_ROWS_128 = ("kernels/bwdwg/bwdwg.cu", "kRowGroups = 1;", "kRowGroups = DP == 256 ? 1 : 2;")
@@ -84,8 +85,8 @@ VARIANTS = {
     "x3_pk_flush_2": [(X3, "kPkFlushSteps = 8;", "kPkFlushSteps = 2;")],
     "bwd_fence_every_step": [(BWD, "kBwdFenceEveryStep = false;", "kBwdFenceEveryStep = true;")],
     "bwd_stats_scalar": [(BWD, "kPairedStats = true;", "kPairedStats = false;")],
-    "bwd_group_from_tid": [(BWD, "wg = RG == 1 ? 0 : int(threadIdx.x)", "wg = int(threadIdx.x)"),
-                           (BWD, "wg = KG == 1 ? 0 : int(threadIdx.x)", "wg = int(threadIdx.x)")],
+    "bwd_group_from_tid": [(BWD_Q, "wg = RG == 1 ? 0 : int(threadIdx.x)", "wg = int(threadIdx.x)"),
+                           (BWD_K, "wg = KG == 1 ? 0 : int(threadIdx.x)", "wg = int(threadIdx.x)")],
     "bwd_stats_from_shared": [(BWD, "kBwdStatsInRegs = true;", "kBwdStatsInRegs = false;")],
     "no_l2_sections": [(WS, "kL2SectionBytes = int64_t(24) << 20;", "kL2SectionBytes = 0;")],
     "l2_sections_12mb": [(WS, "kL2SectionBytes = int64_t(24) << 20;", "kL2SectionBytes = int64_t(12) << 20;")],

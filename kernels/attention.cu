@@ -36,6 +36,7 @@
 
 // The backward (every dtype) is small enough to live here too.
 #include "backward/backward.cu"
+#include "rowwise/any_geometry.cuh"
 
 namespace {
 
@@ -226,6 +227,25 @@ int gqa_backward(const GqaBwdParams& params, void* stream) {
     if (launched != 0) return launched;
     p.rows_if_nonfinite = true;
     return int(backward_rows(p, s));
+}
+
+int gqa_rows_forward(const GqaRowsParams& p, void* stream) {
+    const int64_t units = (int64_t(p.B) * p.geo.Tq * p.Hq + kBwdWarps - 1) / kBwdWarps;
+    if (units == 0) return 0;
+    if (units > 0x7fffffff) return int(cudaErrorInvalidConfiguration);
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (p.dtype == kGqaFloat32)
+        gqa_rows_forward_kernel<float><<<unsigned(units), 32 * kBwdWarps, 0, s>>>(p);
+    else
+        gqa_rows_forward_kernel<Half16><<<unsigned(units), 32 * kBwdWarps, 0, s>>>(p);
+    return int(cudaGetLastError());
+}
+
+int gqa_rows_backward(const GqaBwdParams& params, void* stream) {
+    if (int64_t(params.B) * params.T * params.Hq == 0) return 0;
+    GqaBwdParams p = params;
+    p.rows_if_nonfinite = false;
+    return int(backward_rows(p, static_cast<cudaStream_t>(stream)));
 }
 
 // Every forward plan's unit and every backward tensor-core unit; returns how many could not load.

@@ -195,6 +195,7 @@ GqaBwdParams backward_params_of(const at::Tensor& q, const at::Tensor& k) {
     p.scale = float(1.0 / std::sqrt(double(p.D)));
     p.scale_log2 = float(1.4426950408889634 / std::sqrt(double(p.D)));
     p.dtype = gqa_dtype_code(q.scalar_type());
+    p.geo = gqa_geometry(p.T, p.T, true, -1, 0);
     p.fused = gqa_backward_fused(p);
     return p;
 }
@@ -267,6 +268,75 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attention_backward_cuda(
     return {dq, dk, dv};
 }
 
+// attention() beyond causal attention with Tq = Tk: the window (-1: unbounded on that side; causal
+// is window_right = 0) and the softmax scale, checked; the geometry of q against k (the inputs'
+// rules checked by the caller).
+GqaGeometry checked_geometry(const at::Tensor& q, const at::Tensor& k, int64_t window_left, int64_t window_right,
+                             double scale) {
+    TORCH_CHECK_VALUE(window_left >= -1 && window_right >= -1, "attention: window_size must be (left, right) with "
+                      "each -1 (unbounded) or >= 0, got (", std::to_string(window_left), ", ", std::to_string(window_right), ")");
+    TORCH_CHECK_VALUE(std::isfinite(scale), "attention: softmax_scale must be finite");
+    const auto side = [](int64_t w) { return int(std::min<int64_t>(w, INT32_MAX)); };
+    return gqa_geometry(int(q.size(1)), int(k.size(1)), false, side(window_left), side(window_right));
+}
+
+// The row-wise forward for any geometry: the output and each row's log-sum-exp ((B, Hq, Tq), natural
+// log, -inf where a row sees no key).
+std::tuple<at::Tensor, at::Tensor> attention_rows_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                       const at::Tensor& v_in, int64_t window_left,
+                                                       int64_t window_right, double scale) {
+    gqa_check_inputs(q_in, k_in, v_in, "attention", false);
+    const GqaGeometry geo = checked_geometry(q_in, k_in, window_left, window_right, scale);
+    const c10::cuda::CUDAGuard device_guard(q_in.device());
+    const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+    at::Tensor out = at::empty(q.sizes(), q.options());
+    at::Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(c10::ScalarType::Float));
+    if (out.numel() == 0) return {out, lse};
+    GqaRowsParams p{};
+    p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr(), p.o = out.data_ptr(), p.lse = lse.data_ptr<float>();
+    p.B = int(q.size(0)), p.Hq = int(q.size(2)), p.Hkv = int(k.size(2)), p.D = int(q.size(3)), p.group = p.Hq / p.Hkv;
+    p.scale_log2 = float(1.4426950408889634 * scale);
+    p.dtype = gqa_dtype_code(q.scalar_type());
+    p.geo = geo;
+    const int err = gqa_rows_forward(p, c10::cuda::getCurrentCUDAStream().stream());
+    TORCH_CHECK(err == 0, "attention: kernel launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
+    return {out, lse};
+}
+
+// Its backward: dq, dk and dv from the inputs, the output and the output's gradient (the row-wise
+// kernels recompute each row's log-sum-exp).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_rows_backward_cuda(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out_in,
+    const at::Tensor& grad_in, int64_t window_left, int64_t window_right, double scale) {
+    gqa_check_inputs(q_in, k_in, v_in, "attention", false);
+    const GqaGeometry geo = checked_geometry(q_in, k_in, window_left, window_right, scale);
+    GQA_CHECK_ARG(out_in.sizes() == q_in.sizes() && grad_in.sizes() == q_in.sizes() &&
+                      out_in.scalar_type() == q_in.scalar_type() && grad_in.scalar_type() == q_in.scalar_type() &&
+                      out_in.device() == q_in.device() && grad_in.device() == q_in.device(),
+                  "attention backward: out and grad_out must have q's shape, dtype and device");
+    const c10::cuda::CUDAGuard device_guard(q_in.device());
+    const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+    const at::Tensor out = out_in.contiguous(), grad = grad_in.contiguous();
+    // every key row is written (zeros where no query sees it)
+    at::Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options());
+    at::Tensor dv = at::empty(v.sizes(), v.options());
+    if (q.numel() == 0) return {dq, dk.zero_(), dv.zero_()};
+    GqaBwdParams p = backward_params_of(q, k);
+    p.scale = float(scale), p.scale_log2 = float(1.4426950408889634 * scale);
+    p.geo = geo;
+    p.fused = false;
+    p.delta_from_p = p.dtype != kGqaFloat32;   // o rounded to 16 bits
+    const int64_t rows = gqa_bwd_stat_floats(p.B, p.T, p.Hq);
+    at::Tensor scratch = at::empty({2 * rows + 4}, q.options().dtype(c10::ScalarType::Float));
+    p.q = q.data_ptr(), p.k = k.data_ptr(), p.v = v.data_ptr(), p.o = out.data_ptr(), p.dout = grad.data_ptr();
+    p.dq = dq.data_ptr(), p.dk = dk.data_ptr(), p.dv = dv.data_ptr();
+    p.lse2 = scratch.data_ptr<float>(), p.delta = p.lse2 + rows;
+    p.nonfinite = reinterpret_cast<int*>(p.delta + rows);
+    const int err = gqa_rows_backward(p, c10::cuda::getCurrentCUDAStream().stream());
+    TORCH_CHECK(err == 0, "attention backward: kernel launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
+    return {dq, dk, dv};
+}
+
 // Which backward kernels a call with these inputs runs.
 std::string backward_plan_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
     gqa_check_inputs(q, k, v);
@@ -299,6 +369,10 @@ TORCH_LIBRARY(gqa_attn, m) {
     m.def("causal_attention_trainable(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor)");
     m.def("causal_attention_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor grad_out, Tensor lse2) -> "
           "(Tensor, Tensor, Tensor)");
+    m.def("attention_rows(Tensor q, Tensor k, Tensor v, int window_left, int window_right, float scale) -> "
+          "(Tensor, Tensor)");
+    m.def("attention_rows_backward(Tensor q, Tensor k, Tensor v, Tensor out, Tensor grad_out, int window_left, "
+          "int window_right, float scale) -> (Tensor, Tensor, Tensor)");
     m.def("empty_call(Tensor q, Tensor k, Tensor v) -> Tensor");
     m.def("read_floor(Tensor q, Tensor k, Tensor v) -> Tensor");
     m.def("plan(Tensor q, Tensor k, Tensor v) -> str");
@@ -314,6 +388,8 @@ TORCH_LIBRARY_IMPL(gqa_attn, CUDA, m) {
     m.impl("causal_attention", &causal_attention_cuda);
     m.impl("causal_attention_trainable", &causal_attention_trainable_cuda);
     m.impl("causal_attention_backward", &causal_attention_backward_cuda);
+    m.impl("attention_rows", &attention_rows_cuda);
+    m.impl("attention_rows_backward", &attention_rows_backward_cuda);
     m.impl("empty_call", &empty_call_cuda);
     m.impl("read_floor", &read_floor_cuda);
     m.impl("plan", &plan_cuda);

@@ -8,8 +8,14 @@
 
 namespace {
 
-void check_inputs_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) { gqa_check_inputs(q, k, v); }
+void check_inputs_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c10::string_view entry,
+                     bool same_length) {
+    gqa_check_inputs(q, k, v, std::string(entry).c_str(), same_length);
+}
 
 }  // namespace
 
-TORCH_LIBRARY(gqa_attn_cpu, m) { m.def("check_inputs(Tensor q, Tensor k, Tensor v) -> ()", &check_inputs_op); }
+TORCH_LIBRARY(gqa_attn_cpu, m) {
+    m.def("check_inputs(Tensor q, Tensor k, Tensor v, str entry=\"causal_gqa_attention\", bool same_length=True) -> ()",
+          &check_inputs_op);
+}

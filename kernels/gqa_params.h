@@ -5,6 +5,8 @@
 #define GQA_PARAMS_H
 #include <cstdint>
 
+#include "common/geometry.cuh"
+
 enum GqaDtype : int { kGqaFloat32 = 0, kGqaFloat16 = 1, kGqaBFloat16 = 2 };
 
 struct GqaParams {
@@ -94,15 +96,37 @@ struct GqaBwdParams {
     // others leave it NaN): the fused kernel's statistics then take it as it is (FusedTraits::kRowStats).
     bool lse2_kept;
     bool rows_if_nonfinite;   // the row-wise kernels run only when *nonfinite is set
+    // Row-wise kernel 1 forms delta_i = sum_j p_ij dp_ij from the p it recomputes (two more passes
+    // over the row's keys) instead of dO_i . o_i: attention()'s 16-bit calls, whose o is rounded to
+    // 16 bits, which would show in dQ and dK magnified (sum_j dS_ij not zero; bwdmma/kernels.cuh,
+    // Pol::kDeltaFix).
+    bool delta_from_p;
     bool fused;               // gqa_backward_fused: the wgmma unit runs its fused kernel
     // The fused kernel's CTAs in chunks of this many (batch, kv head) pairs, key tile by key tile
     // within a chunk; 0: key tile by key tile over the whole grid (set by its launch).
     int fused_chunk;
     int B, T, Hq, Hkv, D;
     int group;          // Hq / Hkv
-    float scale;        // 1 / sqrt(D)
-    float scale_log2;   // log2(e) / sqrt(D)
+    float scale;        // 1 / sqrt(D), or attention()'s softmax_scale (row-wise kernels)
+    float scale_log2;   // log2(e) times scale
     int dtype;          // GqaDtype
+    // Which keys each query row sees (geo.Tq is T; k, v, dk and dv have geo.Tk rows). The row-wise
+    // kernels take any geometry; the tensor-core families causal attention with Tq = Tk alone.
+    GqaGeometry geo;
+};
+
+// The row-wise forward for any sequence geometry (gqa_rows_forward): contiguous q, o (B, Tq, Hq, D)
+// and k, v (B, Tk, Hkv, D); lse, natural log, (B, Hq, Tq) as FlashAttention lays it out.
+struct GqaRowsParams {
+    const void* q;
+    const void* k;
+    const void* v;
+    void* o;
+    float* lse;
+    int B, Hq, Hkv, D, group;
+    float scale_log2;   // log2(e) times the softmax scale
+    int dtype;          // GqaDtype
+    GqaGeometry geo;
 };
 
 struct GqaDevice {
@@ -158,6 +182,10 @@ const char* gqa_dtype_name(int dtype);     // "fp32", "fp16" or "bf16"
 int gqa_load_every_plan();
 int gqa_empty_launch(void* out, void* stream);
 int gqa_backward(const GqaBwdParams& params, void* stream);   // dq, dk and dv; 0 or a cudaError_t
+// Any geometry, row-wise (fp32 arithmetic, every dtype and head_dim): the forward, and the backward
+// of params.geo (the tensor-core families are not asked); 0 or a cudaError_t.
+int gqa_rows_forward(const GqaRowsParams& params, void* stream);
+int gqa_rows_backward(const GqaBwdParams& params, void* stream);
 // Which backward a call runs: "bwdmma/<dtype>/d<width>" (tensor cores) or "backward/<dtype>" (row-wise).
 const char* gqa_backward_plan(const GqaBwdParams& params);
 // Whether the call runs the wgmma unit's fused kernel (GqaBwdParams::fused, set from this with the
@@ -189,11 +217,15 @@ inline int64_t gqa_fused_dq_floats(const GqaBwdParams& p) {
 }
 // The x3 unit's part of it: the statistics' bytes (the rows after them stay 16-byte aligned), then
 // q, dO, k and v as fp16 hi and lo rows of 2 D values, then fp32 rows of q's shape (the dQ kernel's
-// sum_j P_ij K_j).
+// sum_j P_ij K_j), then the largest |x| of each (head, channel) of q, k and dO.
 constexpr int64_t kGqaX3BwdStatsBytes = 256;
+#ifdef __CUDACC__
+__host__ __device__
+#endif
+inline int64_t gqa_x3_bwd_channel_words(const GqaBwdParams& p) { return int64_t(2 * p.Hq + p.Hkv) * p.D; }
 inline int64_t gqa_x3_bwd_floats(const GqaBwdParams& p) {
     const int64_t halves = 2 * (int64_t(p.B) * p.T * (p.Hq + p.Hkv)) * 2 * p.D;
-    return kGqaX3BwdStatsBytes / 4 + halves / 2 + int64_t(p.B) * p.T * p.Hq * p.D;
+    return kGqaX3BwdStatsBytes / 4 + halves / 2 + int64_t(p.B) * p.T * p.Hq * p.D + gqa_x3_bwd_channel_words(p);
 }
 // Reads q, k and v once and writes o = q: the memory floor of a call, for benchmarks.
 int gqa_read_floor(const GqaParams& params, void* stream);

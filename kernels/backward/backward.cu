@@ -2,20 +2,23 @@
 // gradient dO, for fp32, fp16 and bf16 inputs (fp32 arithmetic, gradients in the input dtype).
 // Compiled into the entry library.
 //
-// With s_ij = q_i . k_j / sqrt(D) over the keys j <= t(i), p = softmax(s) and delta_i = dO_i . o_i:
+// With s_ij = q_i . k_j times the scale over the keys j that query i sees (p.geo: causal attention
+// with Tq = Tk for every plan's fallback, any geometry for attention(); common/geometry.cuh),
+// p = softmax(s) and delta_i = dO_i . o_i:
 //   dS_ij = p_ij (dO_i . v_j - delta_i)
-//   dQ_i  = sum_j dS_ij k_j / sqrt(D)
-//   dK_j  = sum_i dS_ij q_i / sqrt(D)      over every row i (all G query heads of j's kv head)
+//   dQ_i  = sum_j dS_ij k_j times the scale
+//   dK_j  = sum_i dS_ij q_i times the scale   over every row i (all G query heads of j's kv head)
 //   dV_j  = sum_i p_ij dO_i
 // Two kernels, one warp per row, each lane holding head-dim elements lane, lane + 32, ...; every
 // sum runs in a fixed order, so results are bitwise equal across runs (no atomics):
 //   1. query rows: delta_i, then one pass over the keys with an online softmax that also carries
 //      dQ (rescaled when the running maximum grows, divided by the row's sum at the end; two more
-//      passes where delta_i is not finite, below); writes dQ and the row's log-sum-exp and delta
-//      for kernel 2. No forward statistics are needed, so the forward keeps nothing when no
-//      backward follows.
-//   2. key rows (batch, time, kv head): every query row at or after the key, in the G heads of the
-//      group, recomputes p_ij from the stored log-sum-exp and adds into dK and dV.
+//      passes where delta_i is not finite, below, or p.delta_from_p asks for delta from p); writes
+//      dQ and the row's log-sum-exp and delta for kernel 2. No forward statistics are needed, so
+//      the forward keeps nothing when no backward follows.
+//   2. key rows (batch, time, kv head): every query row that sees the key, in the G heads of the
+//      group, recomputes p_ij from the stored log-sum-exp and adds into dK and dV. A query row that
+//      sees no key has dQ = 0 and is seen by no key row.
 // Plain FMA, no tensor cores: fp32 inputs, and 16-bit ones at head dims without a tensor-core unit
 // (bwdmma/: fp16 and bf16 at 64 and 128), whose reference it also is in the tests; and, on every
 // plan, the whole call when q, k, v, o or dO holds Inf or NaN (attention.cu).
@@ -42,6 +45,7 @@ namespace {
 
 constexpr int kBwdWarps = 8;                        // warps per CTA; one row each
 constexpr int kBwdLaneElems = kGqaMaxHeadDim / 32;  // head-dim elements per lane, at most
+constexpr int kBwdKeyBlock = 32;                    // kernel 2's query times per partial sum
 
 __device__ __forceinline__ float warp_sum(float x) {
     for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
@@ -81,14 +85,14 @@ struct WarpRow {
     int t, head, lane;
     bool valid;
 };
-__device__ __forceinline__ WarpRow warp_row(const GqaBwdParams& p, int heads, int64_t unit) {
+__device__ __forceinline__ WarpRow warp_row(int B, int T, int heads, int64_t unit) {
     WarpRow w;
     w.row = unit * kBwdWarps + threadIdx.x / 32;
     w.lane = threadIdx.x % 32;
-    w.valid = w.row < int64_t(p.B) * p.T * heads;
+    w.valid = w.row < int64_t(B) * T * heads;
     w.head = int(w.row % heads);
-    w.t = int(w.row / heads % p.T);
-    w.b = w.row / heads / p.T;
+    w.t = int(w.row / heads % T);
+    w.b = w.row / heads / T;
     return w;
 }
 
@@ -111,7 +115,7 @@ __device__ __forceinline__ void query_row(const GqaBwdParams& p, const WarpRow& 
 
     // Key j's row of k into x and of v into y; its score s2 (log2 units) and dp = dO . v_j.
     auto key = [&](int j, float& s2, float& dp) {
-        const int64_t kd = ((b * p.T + j) * p.Hkv + kv_head) * p.D;
+        const int64_t kd = ((b * p.geo.Tk + j) * p.Hkv + kv_head) * p.D;
         load_row(x, static_cast<const Elem*>(p.k) + kd, p.D, lane, bf16);
         load_row(y, static_cast<const Elem*>(p.v) + kd, p.D, lane, bf16);
         s2 = dot(q, x) * p.scale_log2;
@@ -119,8 +123,16 @@ __device__ __forceinline__ void query_row(const GqaBwdParams& p, const WarpRow& 
     };
     // Scores in log2 units: s2 = s * log2(e). m: running maximum, l: running sum of 2^(s2 - m);
     // acc: sum of 2^(s2 - m) (dO . v_j - delta) k_j.
+    const GqaRange keys = p.geo.keys_any(t, t);
+    if (keys.empty()) {   // a row that sees no key: output 0, so every gradient through it is 0
+#pragma unroll
+        for (int e = 0; e < kBwdLaneElems; ++e) acc[e] = 0.f;
+        store_row(static_cast<Elem*>(p.dq) + rd, acc, 1.f, p.D, lane, bf16);
+        if (lane == 0) p.lse2[row] = -INFINITY, p.delta[row] = 0.f;   // read by no key row
+        return;
+    }
     float m = -INFINITY, l = 0.f, s2, dp;
-    for (int j = 0; j <= t; ++j) {
+    for (int j = keys.first; j <= keys.last; ++j) {
         key(j, s2, dp);
         if (s2 > m) {
             const float r = exp2f(m - s2);
@@ -135,19 +147,22 @@ __device__ __forceinline__ void query_row(const GqaBwdParams& p, const WarpRow& 
 #pragma unroll
         for (int e = 0; e < kBwdLaneElems; ++e) acc[e] = fmaf(ds, x[e], acc[e]);
     }
+    // A score of +inf makes lse2 NaN (l = inf - inf): every p_ij of the row NaN, as torch.softmax's
     const float lse2 = m + log2f(l);
     float dq_scale = p.scale / l;
-    // dO . o not finite (the same in every lane): delta and dQ again as autograd forms them (the
-    // header's rule), delta = sum_j p_j dp_j, then dS_j = p_j (dp_j - delta), p_j = 2^(s2 - lse2).
-    if (!isfinite(delta)) {
+    // dO . o not finite (the same in every lane), or p.delta_from_p: delta and dQ again as autograd
+    // forms them (the header's rule), delta = sum_j p_j dp_j, then dS_j = p_j (dp_j - delta), p_j =
+    // 2^(s2 - lse2).
+    if (!isfinite(delta) || p.delta_from_p) {
+        const GqaRange keys = p.geo.keys_any(t, t);   // again: the first loop's range need not stay live
         delta = 0.f;
-        for (int j = 0; j <= t; ++j) {
+        for (int j = keys.first; j <= keys.last; ++j) {
             key(j, s2, dp);
             delta = fmaf(exp2f(s2 - lse2), dp, delta);
         }
 #pragma unroll
         for (int e = 0; e < kBwdLaneElems; ++e) acc[e] = 0.f;
-        for (int j = 0; j <= t; ++j) {
+        for (int j = keys.first; j <= keys.last; ++j) {
             key(j, s2, dp);
             const float ds = exp2f(s2 - lse2) * (dp - delta);
 #pragma unroll
@@ -178,7 +193,20 @@ __device__ __forceinline__ void key_row(const GqaBwdParams& p, const WarpRow& w)
 #pragma unroll
     for (int e = 0; e < kBwdLaneElems; ++e) dk[e] = dv[e] = 0.f;
 
-    for (int i = j; i < p.T; ++i) {
+    // Summed in blocks of kBwdKeyBlock query times (times G heads) before joining dK and dV, so that
+    // fp32's rounding grows with T / kBwdKeyBlock + kBwdKeyBlock G terms, not T G.
+    float dk_block[kBwdLaneElems], dv_block[kBwdLaneElems];
+#pragma unroll
+    for (int e = 0; e < kBwdLaneElems; ++e) dk_block[e] = dv_block[e] = 0.f;
+    const GqaRange queries = p.geo.queries_any(j, j);   // the query rows that see key j
+    for (int i = queries.first; i <= queries.last; ++i) {
+        if ((i - queries.first) % kBwdKeyBlock == 0) {
+#pragma unroll
+            for (int e = 0; e < kBwdLaneElems; ++e) {
+                dk[e] += dk_block[e], dv[e] += dv_block[e];
+                dk_block[e] = dv_block[e] = 0.f;
+            }
+        }
         for (int g = 0; g < p.group; ++g) {
             const int64_t qrow = (b * p.T + i) * p.Hq + int64_t(kv_head) * p.group + g;
             load_row(q, static_cast<const Elem*>(p.q) + qrow * p.D, p.D, lane, bf16);
@@ -189,11 +217,13 @@ __device__ __forceinline__ void key_row(const GqaBwdParams& p, const WarpRow& w)
             const float ds = prob * (dp - p.delta[qrow]);
 #pragma unroll
             for (int e = 0; e < kBwdLaneElems; ++e) {
-                dv[e] = fmaf(prob, dout[e], dv[e]);
-                dk[e] = fmaf(ds, q[e], dk[e]);
+                dv_block[e] = fmaf(prob, dout[e], dv_block[e]);
+                dk_block[e] = fmaf(ds, q[e], dk_block[e]);
             }
         }
     }
+#pragma unroll
+    for (int e = 0; e < kBwdLaneElems; ++e) dk[e] += dk_block[e], dv[e] += dv_block[e];
     store_row(static_cast<Elem*>(p.dk) + kd, dk, p.scale, p.D, lane, bf16);
     store_row(static_cast<Elem*>(p.dv) + kd, dv, 1.f, p.D, lane, bf16);
 }
@@ -208,20 +238,20 @@ template <typename Elem, bool kLoop>
 __global__ void __launch_bounds__(32 * kBwdWarps, 4) gqa_bwd_query_kernel(const GqaBwdParams p) {
     if (p.rows_if_nonfinite && *p.nonfinite == 0) return;
     for (int64_t unit = blockIdx.x;; unit += gridDim.x) {
-        const WarpRow w = warp_row(p, p.Hq, unit);
+        const WarpRow w = warp_row(p.B, p.T, p.Hq, unit);
         if (!w.valid) return;
         query_row<Elem>(p, w);
         if (!kLoop) return;
     }
 }
 
-// Three CTAs per SM (at most 85 registers): left to itself, ptxas's choice moved with the size of
-// GqaBwdParams (92 registers in fp32, more spills in 16-bit).
+// Two CTAs per SM (at most 128 registers): the blocked sums of dK and dV took 109-113, where three
+// (85) spilled 64-128 bytes.
 template <typename Elem, bool kLoop>
-__global__ void __launch_bounds__(32 * kBwdWarps, 3) gqa_bwd_key_kernel(const GqaBwdParams p) {
+__global__ void __launch_bounds__(32 * kBwdWarps, 2) gqa_bwd_key_kernel(const GqaBwdParams p) {
     if (p.rows_if_nonfinite && *p.nonfinite == 0) return;
     for (int64_t unit = blockIdx.x;; unit += gridDim.x) {
-        const WarpRow w = warp_row(p, p.Hkv, unit);
+        const WarpRow w = warp_row(p.B, p.geo.Tk, p.Hkv, unit);
         if (!w.valid) return;
         key_row<Elem>(p, w);
         if (!kLoop) return;
@@ -231,12 +261,14 @@ __global__ void __launch_bounds__(32 * kBwdWarps, 3) gqa_bwd_key_kernel(const Gq
 template <typename Elem, bool kLoop>
 cudaError_t launch_backward_rows(const GqaBwdParams& p, cudaStream_t stream, int64_t max_ctas) {
     const int64_t query_units = (int64_t(p.B) * p.T * p.Hq + kBwdWarps - 1) / kBwdWarps;
-    const int64_t key_units = (int64_t(p.B) * p.T * p.Hkv + kBwdWarps - 1) / kBwdWarps;
+    const int64_t key_units = (int64_t(p.B) * p.geo.Tk * p.Hkv + kBwdWarps - 1) / kBwdWarps;
     if (query_units > 0x7fffffff || key_units > 0x7fffffff) return cudaErrorInvalidConfiguration;
-    gqa_bwd_query_kernel<Elem, kLoop><<<unsigned(std::min(query_units, max_ctas)), 32 * kBwdWarps, 0, stream>>>(p);
+    if (query_units > 0)
+        gqa_bwd_query_kernel<Elem, kLoop><<<unsigned(std::min(query_units, max_ctas)), 32 * kBwdWarps, 0, stream>>>(p);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
-    gqa_bwd_key_kernel<Elem, kLoop><<<unsigned(std::min(key_units, max_ctas)), 32 * kBwdWarps, 0, stream>>>(p);
+    if (key_units > 0)   // none where there are no keys (attention() with Tk = 0)
+        gqa_bwd_key_kernel<Elem, kLoop><<<unsigned(std::min(key_units, max_ctas)), 32 * kBwdWarps, 0, stream>>>(p);
     return cudaGetLastError();
 }
 
@@ -275,7 +307,7 @@ __device__ __forceinline__ bool any_nonfinite(const Elem* x, int64_t n, uint32_t
 // contiguous ([B, T, H, D]).
 template <typename Elem>
 __global__ void __launch_bounds__(256) gqa_bwd_scan_kernel(const GqaBwdParams p) {
-    const int64_t nq = int64_t(p.B) * p.T * p.Hq * p.D, nkv = int64_t(p.B) * p.T * p.Hkv * p.D;
+    const int64_t nq = int64_t(p.B) * p.T * p.Hq * p.D, nkv = int64_t(p.B) * p.geo.Tk * p.Hkv * p.D;
     const uint32_t exp = sizeof(Elem) == 4 ? 0x7f800000u : p.dtype == kGqaBFloat16 ? 0x7f80u : 0x7c00u;
     const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, threads = int64_t(gridDim.x) * blockDim.x;
     const bool bad = any_nonfinite(static_cast<const Elem*>(p.q), nq, exp, tid, threads) ||

@@ -7,7 +7,13 @@
 //  2. x3_bwd_split_kernel: each scaled row as fp16 hi = fp16(x 2^e) and lo = fp16(x 2^e - hi) into
 //     the scratch ([B, T, heads, 2 DP]: hi, then lo), delta = rowsum(dO o) in fp32, and the
 //     largest row norms of the scaled dO, V and o (o in V's scale), which bound |dP - delta|.
-//  3. The dQ and dK/dV kernels read those rows as 128-byte-swizzled tiles of width 2 DP (hi in the
+//  3. x3_bwd_channel_max_kernel: the largest |x| of each (head, channel) of q, k and dO (zeroed by
+//     pre-pass 1); then
+//     x3_bwd_precision_kernel flags the call for the row-wise fp32 kernels (bit 4 of p.nonfinite,
+//     which attention.cu launches after these) where one power of two per tensor cannot keep fp32's
+//     precision: rows of dO, or (head, channel)s of q, k or dO, too far apart in size (the spans
+//     below). Those calls take the row-wise kernels' time.
+//  4. The dQ and dK/dV kernels read those rows as 128-byte-swizzled tiles of width 2 DP (hi in the
 //     first DP columns): S and dP as lo hi + hi lo + hi hi (lo lo, about 2^-22 of a product, is
 //     dropped); P (<= 1) times 2^kX3BwdPShift and dS times a power of two that puts the bound of
 //     |dS| at 2^14 are split in registers the same way for dV, dK and dQ. The gradients leave
@@ -21,10 +27,17 @@ namespace {
 
 constexpr float kX3BwdPShift = 14.f;   // P <= 1, times 2^14 before its split
 constexpr int kX3BwdThreads = 256;
+// The largest spans (log2 of the largest over the smallest nonzero maximum) kept on these kernels:
+// of dO's rows, and of the (head, channel)s of q, k and dO. Past them the call is flagged. Chosen
+// between the spans measured within 4x of fp32 SDPA's errors row by row and channel by channel
+// (2^7) and those measured far outside (2^26); bench/NOTES.md says what is left to measure.
+constexpr float kX3RowSpanLog2 = 12.f, kX3ChannelSpanLog2 = 17.f;
 
-// The scratch (gqa_x3_bwd_floats): the statistics (zeroed on every call), the split rows, then the
-// dQ kernel's rows of sum_j P_ij K_j (X3Products::kDeltaFix).
-enum X3BwdStat { kAbsQ = 0, kAbsK, kAbsV, kAbsDout, kNormDout, kNormV, kNormO, kX3BwdStats };
+// The scratch (gqa_x3_bwd_floats): the statistics (zeroed on every call), the split rows, the dQ
+// kernel's rows of sum_j P_ij K_j (X3Products::kDeltaFix), then the channels' maxima (zeroed by
+// pre-pass 1). kRowMinDoutFlipped holds ~bits of the smallest nonzero row maximum, so that
+// atomicMax finds it from zero (0: no nonzero row).
+enum X3BwdStat { kAbsQ = 0, kAbsK, kAbsV, kAbsDout, kNormDout, kNormV, kNormO, kRowMaxDout, kRowMinDoutFlipped, kX3BwdStats };
 struct X3BwdWork {
     uint32_t* stats;                  // [kX3BwdStats]: float bits of non-negative values
     uint16_t *q, *k, *v, *dout;       // [B, T, heads, 2 DP] fp16: hi, then lo
@@ -42,6 +55,11 @@ __host__ __device__ inline X3BwdWork x3_bwd_work(const GqaBwdParams& p) {
     w.pk = reinterpret_cast<float*>(w.v + rows_kv);
     return w;
 }
+// [Hq + Hkv + Hq, D]: the largest |x| of each (head, channel) of q, k and dO, as float bits, past
+// the rows of x3_bwd_work (the main loops never compute this address).
+__device__ __forceinline__ uint32_t* x3_bwd_channels(const GqaBwdParams& p) {
+    return reinterpret_cast<uint32_t*>(x3_bwd_work(p).pk + int64_t(p.B) * p.T * p.Hq * p.D);
+}
 // Tensor z (X3BwdStat kAbsQ .. kAbsDout) of the call, its heads and its split rows.
 __device__ __forceinline__ const float* x3_bwd_input(const GqaBwdParams& p, int z) {
     return static_cast<const float*>(z == kAbsQ ? p.q : z == kAbsK ? p.k : z == kAbsV ? p.v : p.dout);
@@ -55,6 +73,10 @@ __device__ __forceinline__ uint16_t* x3_bwd_rows(const X3BwdWork& w, int z) {
 __global__ void __launch_bounds__(kX3BwdThreads) x3_bwd_absmax_kernel(const GqaBwdParams p) {
     const X3BwdWork w = x3_bwd_work(p);
     const int z = int(blockIdx.y);
+    if (blockIdx.x == 0 && z == 0) {   // the channels' maxima of pre-pass 3 start from zero
+        uint32_t* chan = x3_bwd_channels(p);
+        for (int64_t i = threadIdx.x; i < gqa_x3_bwd_channel_words(p); i += kX3BwdThreads) chan[i] = 0u;
+    }
     const float4* x = reinterpret_cast<const float4*>(x3_bwd_input(p, z));
     const int64_t n4 = int64_t(p.B) * p.T * x3_bwd_heads(p, z) * p.D / 4;   // D is 64 or 128
     uint32_t m = 0u;
@@ -77,10 +99,15 @@ __global__ void __launch_bounds__(kX3BwdThreads) x3_bwd_absmax_kernel(const GqaB
     }
 }
 
-// Sum over the kLanes lanes that hold one row (aligned groups of a warp).
+// Sum (and largest value) over the kLanes lanes that hold one row (aligned groups of a warp).
 template <int kLanes> __device__ __forceinline__ float row_sum(float x) {
 #pragma unroll
     for (int m = kLanes / 2; m > 0; m /= 2) x += __shfl_xor_sync(0xffffffffu, x, m);
+    return x;
+}
+template <int kLanes> __device__ __forceinline__ float row_max(float x) {
+#pragma unroll
+    for (int m = kLanes / 2; m > 0; m /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, m));
     return x;
 }
 
@@ -96,6 +123,7 @@ __global__ void __launch_bounds__(kX3BwdThreads) x3_bwd_split_kernel(const GqaBw
     const int64_t rows = int64_t(p.B) * p.T * heads;
     const int64_t warps = int64_t(gridDim.x) * (kX3BwdThreads / 32);
     float norm2 = 0.f, o_norm2 = 0.f;   // largest squared row norms, scaled (z = dO: and of o)
+    float row_hi = 0.f, row_lo = INFINITY;   // z = dO: the largest and the smallest nonzero row maximum
     // Warp-uniform rounds, so that every lane takes part in the row sums' shuffles.
     for (int64_t r0 = (int64_t(blockIdx.x) * (kX3BwdThreads / 32) + threadIdx.x / 32) * kRowsPerWarp; r0 < rows;
          r0 += warps * kRowsPerWarp) {
@@ -112,7 +140,11 @@ __global__ void __launch_bounds__(kX3BwdThreads) x3_bwd_split_kernel(const GqaBw
             *reinterpret_cast<uint2*>(row + DP) = make_uint2(lo[0], lo[1]);
         }
         if (z == kAbsV || z == kAbsDout) norm2 = fmaxf(norm2, row_sum<kLanes>(a[0] * a[0] + a[1] * a[1] + a[2] * a[2] + a[3] * a[3]));
-        if (z == kAbsDout) {   // delta of this query row, and the scaled norm of its o
+        if (z == kAbsDout) {   // the row's largest |dO|, its delta, and the scaled norm of its o
+            // (fmaxf drops NaN; Inf flags the call anyway)
+            const float m = row_max<kLanes>(fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+            row_hi = fmaxf(row_hi, m);
+            row_lo = m > 0.f ? fminf(row_lo, m) : row_lo;
             const float4 o = valid ? __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(p.o) + r * DP) + sub)
                                    : make_float4(0.f, 0.f, 0.f, 0.f);
             const float delta = row_sum<kLanes>(v.x * o.x + v.y * o.y + v.z * o.z + v.w * o.w);
@@ -134,6 +166,81 @@ __global__ void __launch_bounds__(kX3BwdThreads) x3_bwd_split_kernel(const GqaBw
     if (z == kAbsDout) {
         o_norm2 = __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(o_norm2)));
         if (lane == 0 && o_norm2 > 0.f) atomicMax(&w.stats[kNormO], __float_as_uint(o_norm2));
+        const uint32_t hi = __reduce_max_sync(0xffffffffu, __float_as_uint(row_hi));
+        const uint32_t lo_flipped = __reduce_max_sync(0xffffffffu, ~__float_as_uint(row_lo));   // ~bits of +inf: none
+        if (lane == 0 && hi != 0u) atomicMax(&w.stats[kRowMaxDout], hi);
+        if (lane == 0 && lo_flipped != ~__float_as_uint(INFINITY)) atomicMax(&w.stats[kRowMinDoutFlipped], lo_flipped);
+    }
+}
+
+// Pre-pass 3. The largest |x| of each (head, channel) of q, k and dO. Grid (chunks, heads, 3):
+// blockIdx.z is the tensor (q, k, dO), blockIdx.y the first head; a block takes every
+// gridDim.x-th group of kRowsAtOnce (batch, time) rows of its heads, a float4 of channels a thread.
+template <int DP>
+__global__ void __launch_bounds__(kX3BwdThreads) x3_bwd_channel_max_kernel(const GqaBwdParams p) {
+    constexpr int kCols = DP / 4, kRowsAtOnce = kX3BwdThreads / kCols;
+    const int z = blockIdx.z == 0 ? kAbsQ : blockIdx.z == 1 ? kAbsK : kAbsDout;
+    const int heads = x3_bwd_heads(p, z), col = int(threadIdx.x) % kCols, sub = int(threadIdx.x) / kCols;
+    const float* x = x3_bwd_input(p, z);
+    uint32_t* chan = x3_bwd_channels(p) + (z == kAbsQ ? 0 : z == kAbsK ? int64_t(p.Hq) * DP : int64_t(p.Hq + p.Hkv) * DP);
+    const int64_t rows = int64_t(p.B) * p.T;
+    __shared__ float most[kX3BwdThreads][4];
+    for (int h = int(blockIdx.y); h < heads; h += int(gridDim.y)) {   // block-uniform
+        float m[4] = {0.f, 0.f, 0.f, 0.f};   // fmaxf drops NaN; Inf flags the call anyway
+        for (int64_t r = int64_t(blockIdx.x) * kRowsAtOnce + sub; r < rows; r += int64_t(gridDim.x) * kRowsAtOnce) {
+            const float4 v = __ldg(reinterpret_cast<const float4*>(x + (r * heads + h) * DP) + col);
+            m[0] = fmaxf(m[0], fabsf(v.x)), m[1] = fmaxf(m[1], fabsf(v.y));
+            m[2] = fmaxf(m[2], fabsf(v.z)), m[3] = fmaxf(m[3], fabsf(v.w));
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) most[threadIdx.x][i] = m[i];
+        __syncthreads();
+        if (sub == 0) {
+            for (int s = 1; s < kRowsAtOnce; ++s)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) m[i] = fmaxf(m[i], most[s * kCols + col][i]);
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                if (m[i] > 0.f) atomicMax(&chan[int64_t(h) * DP + 4 * col + i], __float_as_uint(m[i]));
+        }
+        __syncthreads();   // `most` is written again for the next head
+    }
+}
+
+// log2 of the largest over the smallest nonzero maximum (0 where there is no nonzero one).
+__device__ __forceinline__ float x3_span_log2(uint32_t hi, uint32_t lo_flipped) {
+    if (hi == 0u || lo_flipped == 0u) return 0.f;
+    return log2f(__uint_as_float(hi)) - log2f(__uint_as_float(~lo_flipped));
+}
+
+// After the pre-passes: flags the call (bit 4 of *p.nonfinite) for the row-wise kernels where the
+// spans of dO's rows or of a tensor's (head, channel)s pass kX3RowSpanLog2 or kX3ChannelSpanLog2.
+// One CTA.
+template <int DP>
+__global__ void __launch_bounds__(kX3BwdThreads) x3_bwd_precision_kernel(const GqaBwdParams p) {
+    const X3BwdWork w = x3_bwd_work(p);
+    const uint32_t* chan = x3_bwd_channels(p);
+    __shared__ uint32_t hi[3], lo_flipped[3];
+    if (threadIdx.x < 3) hi[threadIdx.x] = 0u, lo_flipped[threadIdx.x] = 0u;
+    __syncthreads();
+    const int64_t counts[3] = {int64_t(p.Hq) * DP, int64_t(p.Hkv) * DP, int64_t(p.Hq) * DP};
+    int64_t first = 0;
+    for (int t = 0; t < 3; ++t) {
+        uint32_t most = 0u, least_flipped = 0u;
+        for (int64_t i = threadIdx.x; i < counts[t]; i += kX3BwdThreads) {
+            const uint32_t bits = chan[first + i];
+            most = max(most, bits);
+            least_flipped = bits != 0u ? max(least_flipped, ~bits) : least_flipped;
+        }
+        atomicMax(&hi[t], most);
+        atomicMax(&lo_flipped[t], least_flipped);
+        first += counts[t];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        bool uneven = x3_span_log2(w.stats[kRowMaxDout], w.stats[kRowMinDoutFlipped]) > kX3RowSpanLog2;
+        for (int t = 0; t < 3; ++t) uneven |= x3_span_log2(hi[t], lo_flipped[t]) > kX3ChannelSpanLog2;
+        if (uneven) atomicOr(p.nonfinite, 4);
     }
 }
 
@@ -254,6 +361,11 @@ extern "C" int gqa_launch_bwdx3(const GqaBwdParams* params, void* stream) {
     const unsigned split_blocks = unsigned(std::min<int64_t>((rows * (p.D / 4) + kX3BwdThreads - 1) / kX3BwdThreads, 4096));
     x3_bwd_absmax_kernel<<<dim3(absmax_blocks, 4), kX3BwdThreads, 0, s>>>(p);
     x3_bwd_split_kernel<GQA_WIDTH><<<dim3(split_blocks, 4), kX3BwdThreads, 0, s>>>(p);
+    // chunks of each head's (batch, time) rows: at least 64 rows a thread group, at most 64 chunks
+    const int64_t bt = int64_t(p.B) * p.T, at_once = kX3BwdThreads / (GQA_WIDTH / 4);
+    const unsigned chunks = unsigned(std::max<int64_t>(1, std::min<int64_t>((bt + 64 * at_once - 1) / (64 * at_once), 64)));
+    x3_bwd_channel_max_kernel<GQA_WIDTH><<<dim3(chunks, unsigned(std::min(p.Hq, 65535)), 3), kX3BwdThreads, 0, s>>>(p);
+    x3_bwd_precision_kernel<GQA_WIDTH><<<1, kX3BwdThreads, 0, s>>>(p);
     err = cudaGetLastError();
     if (err != cudaSuccess) return int(err);
     return int(bwd_launch<X3Products<GQA_WIDTH>>(p, s, dev));

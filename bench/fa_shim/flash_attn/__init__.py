@@ -1,7 +1,8 @@
 """A stand-in for the flash_attn package over gqa_module.attention, so that FlashAttention's own
 test files (tests/test_flash_attn.py) run against this library (bench/fa_suite.py).
 
-Each function takes FlashAttention 2's arguments. What the library does not compute skips the
+Each function takes FlashAttention 2's arguments; the varlen ones map onto
+gqa_module.attention_varlen, flash_attn_with_kvcache onto gqa_module.attention_with_kvcache. What the library does not compute skips the
 test with "unsupported: <feature>" (bench/fa_suite.py counts those by feature); nothing is
 emulated around it."""
 import pytest
@@ -51,12 +52,60 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
                       softcap, alibi_slopes, return_attn_probs)
 
 
-def flash_attn_varlen_func(*args, **kwargs):
-    _unsupported("varlen")
+def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                      causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table=None):
+    if dropout_p:
+        _unsupported("dropout")
+    if alibi_slopes is not None:
+        _unsupported("alibi")
+    if block_table is not None:
+        _unsupported("paged kv")
+    try:
+        result = gqa_module.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                             causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                             softcap=softcap, return_lse=return_attn_probs)
+    except NotImplementedError as error:   # CUDA tensors: the kernels' gaps, named
+        _unsupported(str(error).split("this call asks for ")[-1].split(". ")[0])
+    if return_attn_probs:
+        out, lse = result
+        return out, lse, None
+    return result
 
 
-flash_attn_varlen_kvpacked_func = flash_attn_varlen_qkvpacked_func = flash_attn_varlen_func
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    return _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                             softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table)
 
 
-def flash_attn_with_kvcache(*args, **kwargs):
-    _unsupported("kvcache")
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    return _attention_varlen(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                             softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    return _attention_varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                             dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                            cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
+                            return_softmax_lse=False):
+    if rotary_cos is not None or rotary_sin is not None:
+        _unsupported("kvcache (rotary)")
+    if alibi_slopes is not None:
+        _unsupported("alibi")
+    try:
+        return gqa_module.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                                                 cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                                                 page_table=block_table, causal=causal, softmax_scale=softmax_scale,
+                                                 window_size=window_size, softcap=softcap,
+                                                 return_lse=return_softmax_lse)
+    except NotImplementedError as error:   # CUDA tensors: the kernels' gaps, named
+        _unsupported(str(error).split("this call asks for ")[-1].split(". ")[0])

@@ -1,5 +1,4 @@
-"""Padding helpers with FlashAttention's signatures, for the varlen tests' set-up (the varlen
-functions themselves skip as unsupported)."""
+"""Padding helpers with FlashAttention's signatures, for the varlen tests' set-up."""
 import torch
 import torch.nn.functional as F
 
