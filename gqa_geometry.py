@@ -363,6 +363,66 @@ def write_cache(cache, where, start, new):
     cache[_cache_rows(cache, where, start, start + new.shape[0])] = new
 
 
+def rotary(q, k, rotary_cos, rotary_sin, interleaved, positions, rotary_seqlens, causal, window, tk_max):
+    """q [B, Tq, Hq, D] and the new keys k [B, Tnew, Hkv, D] with flash_attn_with_kvcache's rotary
+    embedding, or a TypeError or ValueError naming the argument: the first rotary_dim = 2
+    rotary_cos.shape[1] channels of each row turned by the angles of row p of rotary_cos and
+    rotary_sin ([rows, rotary_dim / 2]), pairing channels (2i, 2i + 1) where interleaved and (i,
+    i + rotary_dim / 2) otherwise (GPT-NeoX's). Key s of batch row b takes p = start + s, start
+    being rotary_seqlens[b] where given, else `positions[b]` (where the keys go in the cache);
+    query s takes start + s too where the call is causal or local (a window side in 0 .. tk_max -
+    1), else start. Computed in wide_dtype, returned in the inputs' dtypes."""
+    entry = "attention_with_kvcache"
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("%s: rotary_cos and rotary_sin must be given together" % entry)
+    if rotary_cos is None:
+        if rotary_seqlens is not None:
+            raise ValueError("%s: rotary_seqlens needs rotary_cos and rotary_sin" % entry)
+        return q, k
+    if k is None:
+        raise ValueError("%s: rotary_cos and rotary_sin need the new keys k and v (they turn q and k as k is "
+                         "written)" % entry)
+    if not isinstance(interleaved, bool):
+        raise TypeError("%s: rotary_interleaved must be a bool, got %s" % (entry, type(interleaved).__name__))
+    for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError("%s: %s must be a torch.Tensor, got %s" % (entry, name, type(x).__name__))
+        if x.dim() != 2 or x.shape != rotary_cos.shape or not x.is_floating_point() or x.device != q.device:
+            raise ValueError("%s: %s must be a 2-D float tensor [rows, rotary_dim / 2] on q's device %s, of "
+                             "rotary_cos's shape, got %s of shape %s on %s"
+                             % (entry, name, q.device, x.dtype, tuple(x.shape), x.device))
+    half, D = rotary_cos.shape[1], q.shape[3]
+    if not 1 <= 2 * half <= D:
+        raise ValueError("%s: rotary_dim (twice rotary_cos.shape[1], %d) must be in 2 .. head_dim (%d)"
+                         % (entry, 2 * half, D))
+    starts = positions if rotary_seqlens is None else _per_row("rotary_seqlens", rotary_seqlens, q, q.shape[0], 0)
+    per_query = causal or any(0 <= side < tk_max for side in window)
+    Tq, Tnew = q.shape[1], k.shape[1]
+    for b, start in enumerate(starts):
+        reach = start + max(Tnew, Tq if per_query else 1)   # one past the last row of the angles used
+        if start < 0 or reach > rotary_cos.shape[0]:
+            raise ValueError("%s: batch row %d turns by rows %d .. %d of rotary_cos and rotary_sin, which have %d"
+                             % (entry, b, start, reach - 1, rotary_cos.shape[0]))
+    start = torch.tensor(starts, dtype=torch.long, device=q.device).view(-1, 1)
+    return (_turn(q, rotary_cos, rotary_sin, start + torch.arange(Tq, device=q.device) * per_query, interleaved),
+            _turn(k, rotary_cos, rotary_sin, start + torch.arange(Tnew, device=q.device), interleaved))
+
+
+def _turn(x, cos, sin, rows, interleaved):
+    """x [B, T, H, D] turned by the angles of rows [B, T] (see rotary)."""
+    wide = wide_dtype(x.dtype)
+    c, s = (t.to(wide)[rows].unsqueeze(2) for t in (cos, sin))   # [B, T, 1, rotary_dim / 2]
+    width = 2 * cos.shape[1]
+    part = x[..., :width].to(wide)
+    if interleaved:
+        a, b = part[..., 0::2], part[..., 1::2]
+        turned = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
+    else:
+        a, b = part[..., :width // 2], part[..., width // 2:]
+        turned = torch.cat((a * c - b * s, a * s + b * c), dim=-1)
+    return torch.cat((turned.to(x.dtype), x[..., width:]), dim=-1)
+
+
 # ------------------------------------------------------------------------------------------------
 # Partial results
 def combine(outs, lses, out_dtype=None):

@@ -802,15 +802,18 @@ def attention_combine(outs, lses, out_dtype=None):
     return gqa_geometry.combine(outs, lses, out_dtype)
 
 
-def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, cache_batch_idx=None,
-                           cache_leftpad=None, page_table=None, causal=False, softmax_scale=None,
-                           window_size=(-1, -1), softcap=0.0, return_lse=False):
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_sin=None,
+                           cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
+                           rotary_seqlens=None, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                           rotary_interleaved=True, return_lse=False):
     """Attention over a KV cache with flash_attn_with_kvcache's arguments and meanings
     (gqa_geometry.py): q [B, Tq, Hq, D]; k_cache and v_cache [B_cache, Tk_max, Hkv, D], or with
     page_table (int32 [B, pages]) pools [pages, page_size, Hkv, D]; k and v [B, Tnew, Hkv, D], if
     given, written into the caches in place at cache_seqlens (an int or int32 [B]; default: the
-    whole cache) before attending; cache_batch_idx and cache_leftpad as FlashAttention's. -> out
-    [B, Tq, Hq, D], or (out, lse [B, Hq, Tq]). For inference: no gradients, as FlashAttention's.
+    whole cache) before attending; cache_batch_idx and cache_leftpad as FlashAttention's;
+    rotary_cos and rotary_sin turn q and the new keys first (FlashAttention's rotary embedding,
+    gqa_geometry.rotary: rotary_interleaved, and FlashAttention 3's rotary_seqlens). -> out [B, Tq,
+    Hq, D], or (out, lse [B, Hq, Tq]). For inference: no gradients, as FlashAttention's.
 
     This version makes one attention() call per batch row over that row's keys (on CUDA tensors
     the row-wise kernels where Tq != Tk), after reading the lengths to the host: correct, not yet
@@ -840,8 +843,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     rows = gqa_geometry.kvcache_rows(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, page_table)
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                    return_lse=return_lse)
-    gqa_geometry.arguments(q, q, **options)   # the options' rules, before the caches change
+    geo = gqa_geometry.arguments(q, q, **options)   # the options' rules, before the caches change
+    tk_max = k_cache.shape[1] * (page_table.shape[1] if page_table is not None else 1)
     with torch.no_grad():
+        q, k = gqa_geometry.rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved, [row[3] for row in rows],
+                                   rotary_seqlens, causal, (geo.left, geo.right), tk_max)
         if k is not None:
             for b, (where, _, _, start) in enumerate(rows):
                 gqa_geometry.write_cache(k_cache, where, start, k[b])

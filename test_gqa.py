@@ -990,6 +990,88 @@ def test_attention_with_kvcache_rules_name_the_argument():
         assert torch.equal(k_cache, before), over
 
 
+def turned_by_angles(x, angles, interleaved):
+    """x [B, T, H, D] with channel pairs (2i, 2i + 1), or (i, i + half) where not interleaved,
+    multiplied as complex numbers by e^(i angle) (angles [B, T, half], float64): the rotary
+    embedding's definition, for checking gqa_geometry.rotary."""
+    half = angles.shape[-1]
+    x64 = x.double()
+    if interleaved:
+        pairs = torch.view_as_complex(x64[..., :2 * half].reshape(*x.shape[:3], half, 2).contiguous())
+    else:
+        pairs = torch.complex(x64[..., :half], x64[..., half:2 * half])
+    turned = pairs * torch.polar(torch.ones_like(angles), angles).unsqueeze(2)
+    parts = (torch.view_as_real(turned).flatten(-2) if interleaved else torch.cat((turned.real, turned.imag), dim=-1))
+    return torch.cat((parts, x64[..., 2 * half:]), dim=-1).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_attention_with_kvcache_rotary_is_attention_over_turned_inputs(dtype, tol):
+    """rotary_cos and rotary_sin (FlashAttention's rotary embedding, interleaved and GPT-NeoX
+    pairs, rotary_dim 8 and 22 of head_dim 23): the caches afterwards and the outputs equal a call
+    without rotary on q and new keys turned by the definition (complex products by e^(i angle)):
+    key s of row b at position start + s, query s too where the call is causal or local, else
+    every query at start; start is cache_seqlens[b], or rotary_seqlens[b] where given. A window
+    side of the cache's 103 rows or more is not local (FlashAttention's rule)."""
+    gen = torch.Generator().manual_seed(seed_of("rotary"))
+    q, k_cache, v_cache, k_new, v_new, seqlens = kvcache_case(dtype)
+    leftpad = torch.tensor([min(n, 5) for n in KVCACHE_SEQLENS], dtype=torch.int32)
+    index = torch.tensor([5, 0, 3, 1, 4, 2], dtype=torch.int32)
+    shifted = torch.tensor([7, 0, 30, 64, 2, 90], dtype=torch.int32)
+    for half, interleaved, rotary_seqlens, causal, window, per_query in [
+            (4, True, None, True, (-1, -1), True), (11, False, None, False, (5, 2), True),
+            (11, True, shifted, False, (-1, -1), False), (4, False, shifted, True, (40, -1), True),
+            (4, True, None, False, (103, -1), False), (11, False, None, False, (102, -1), True)]:
+        angles = torch.rand(110, half, generator=gen, dtype=torch.float64) * 2 * math.pi
+        cos, sin = torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
+        start = (seqlens if rotary_seqlens is None else rotary_seqlens).long().view(-1, 1)
+        q_rows = start + torch.arange(q.shape[1]) * per_query
+        q_turned = turned_by_angles(q, angles[q_rows], interleaved)
+        k_turned = turned_by_angles(k_new, angles[start + torch.arange(k_new.shape[1])], interleaved)
+        what = (half, interleaved, rotary_seqlens is not None, causal, window)
+        common = dict(cache_seqlens=seqlens, cache_leftpad=leftpad, cache_batch_idx=index, causal=causal,
+                      window_size=window, return_lse=True)
+        caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+        got = gqa_module.attention_with_kvcache(q, *caches[0], k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                                rotary_interleaved=interleaved, rotary_seqlens=rotary_seqlens, **common)
+        expect = gqa_module.attention_with_kvcache(q_turned, *caches[1], k_turned, v_new, **common)
+        assert torch.allclose(caches[0][0], caches[1][0], rtol=tol, atol=tol), what
+        assert torch.equal(caches[0][1], caches[1][1]), what   # values are not turned
+        assert torch.allclose(got[0], expect[0], rtol=tol, atol=tol) and torch.allclose(got[1], expect[1], rtol=tol), what
+        assert not torch.allclose(got[0], gqa_module.attention_with_kvcache(
+            q, k_cache.clone(), v_cache.clone(), k_new, v_new, **common)[0], rtol=tol, atol=tol), what
+
+
+def test_attention_with_kvcache_rotary_rules_name_the_argument():
+    """rotary_cos with rotary_sin, both 2-D float [rows, rotary_dim / 2] of one shape, rotary_dim
+    within head_dim, enough rows for every position turned, the new keys given, rotary_interleaved
+    a bool, rotary_seqlens only with them: each a ValueError or TypeError naming it, raised before
+    any cache is written."""
+    q, k_cache, v_cache, k_new, v_new, seqlens = kvcache_case()
+    before = k_cache.clone()
+    cos = torch.ones(110, 4)
+    call = lambda **over: gqa_module.attention_with_kvcache(**{**dict(
+        q=q, k_cache=k_cache, v_cache=v_cache, k=k_new, v=v_new, cache_seqlens=seqlens, rotary_cos=cos,
+        rotary_sin=cos, causal=True), **over})
+    cases = [(dict(rotary_sin=None), ValueError, "rotary_cos and rotary_sin must be given together"),
+             (dict(k=None, v=None), ValueError, "rotary_cos and rotary_sin need the new keys k and v"),
+             (dict(rotary_cos=torch.ones(110, 12), rotary_sin=torch.ones(110, 12)), ValueError,
+              r"rotary_dim \(twice rotary_cos.shape\[1\], 24\) must be in 2 .. head_dim \(23\)"),
+             (dict(rotary_cos=torch.ones(102, 4), rotary_sin=torch.ones(102, 4)), ValueError,
+              r"batch row 5 turns by rows 100 .. 102 of rotary_cos and rotary_sin, which have 102"),
+             (dict(rotary_sin=torch.ones(110, 5)), ValueError, "rotary_sin must be a 2-D float tensor"),
+             (dict(rotary_cos=torch.ones(110, 4, dtype=torch.int32)), ValueError, "rotary_cos must be a 2-D float"),
+             (dict(rotary_cos=[[1.0]]), TypeError, "rotary_cos must be a torch.Tensor"),
+             (dict(rotary_interleaved=1), TypeError, "rotary_interleaved must be a bool"),
+             (dict(rotary_seqlens=seqlens.long()), ValueError, "rotary_seqlens must be a 1-D int32"),
+             (dict(rotary_cos=None, rotary_sin=None, rotary_seqlens=seqlens), ValueError,
+              "rotary_seqlens needs rotary_cos and rotary_sin")]
+    for over, error, message in cases:
+        with pytest.raises(error, match=message):
+            call(**over)
+        assert torch.equal(k_cache, before), over
+
+
 @needs_gpu
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 def test_gpu_attention_with_kvcache_matches_float64(dtype, tol):

@@ -97,12 +97,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False):
-    if rotary_cos is not None or rotary_sin is not None:
-        _unsupported("kvcache (rotary)")
     if alibi_slopes is not None:
         _unsupported("alibi")
     try:
-        return gqa_module.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+        return gqa_module.attention_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                                                 rotary_interleaved=rotary_interleaved, cache_seqlens=cache_seqlens,
                                                  cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
                                                  page_table=block_table, causal=causal, softmax_scale=softmax_scale,
                                                  window_size=window_size, softcap=softcap,
