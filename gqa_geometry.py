@@ -375,9 +375,9 @@ def rotary(q, k, rotary_cos, rotary_sin, interleaved, positions, rotary_seqlens,
     entry = "attention_with_kvcache"
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("%s: rotary_cos and rotary_sin must be given together" % entry)
-    if rotary_cos is None:
+    if rotary_cos is None:   # rotary_seqlens alone turns nothing (FlashAttention 3's meaning); checked all the same
         if rotary_seqlens is not None:
-            raise ValueError("%s: rotary_seqlens needs rotary_cos and rotary_sin" % entry)
+            _per_row("rotary_seqlens", rotary_seqlens, q, q.shape[0], 0)
         return q, k
     if k is None:
         raise ValueError("%s: rotary_cos and rotary_sin need the new keys k and v (they turn q and k as k is "

@@ -1045,8 +1045,8 @@ def test_attention_with_kvcache_rotary_is_attention_over_turned_inputs(dtype, to
 def test_attention_with_kvcache_rotary_rules_name_the_argument():
     """rotary_cos with rotary_sin, both 2-D float [rows, rotary_dim / 2] of one shape, rotary_dim
     within head_dim, enough rows for every position turned, the new keys given, rotary_interleaved
-    a bool, rotary_seqlens only with them: each a ValueError or TypeError naming it, raised before
-    any cache is written."""
+    a bool, rotary_seqlens int32 [B] (without rotary_cos it turns nothing, as in FlashAttention 3,
+    but is checked): each a ValueError or TypeError naming it, raised before any cache is written."""
     q, k_cache, v_cache, k_new, v_new, seqlens = kvcache_case()
     before = k_cache.clone()
     cos = torch.ones(110, 4)
@@ -1064,8 +1064,8 @@ def test_attention_with_kvcache_rotary_rules_name_the_argument():
              (dict(rotary_cos=[[1.0]]), TypeError, "rotary_cos must be a torch.Tensor"),
              (dict(rotary_interleaved=1), TypeError, "rotary_interleaved must be a bool"),
              (dict(rotary_seqlens=seqlens.long()), ValueError, "rotary_seqlens must be a 1-D int32"),
-             (dict(rotary_cos=None, rotary_sin=None, rotary_seqlens=seqlens), ValueError,
-              "rotary_seqlens needs rotary_cos and rotary_sin")]
+             (dict(rotary_cos=None, rotary_sin=None, rotary_seqlens=seqlens[:5]), ValueError,
+              "rotary_seqlens must have 6 values")]
     for over, error, message in cases:
         with pytest.raises(error, match=message):
             call(**over)

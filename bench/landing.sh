@@ -21,6 +21,8 @@ cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/landing}
 mkdir -p "$out"
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/ext} PYTHONUNBUFFERED=1
+# FlashAttention-4 where bench/fa4_install.sh put it (the benchmarks then time it beside the rest)
+if [ -d /tmp/fa4 ]; then export PYTHONPATH=/tmp/fa4:/tmp/fa4/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}; fi
 san_json=/tmp/landing-sanitizer.json
 san_log=/tmp/landing-sanitizer.log
 kb_json=/tmp/landing-kernelbench_eval.json
