@@ -669,6 +669,13 @@ def test_flash_attention_3_stand_in_maps_its_arguments():
     expect_out, expect_lse = gqa_module.attention_with_kvcache(q[:, :3], k, v, cache_seqlens=seqlens, return_lse=True, **kw)
     assert torch.equal(out, expect_out) and torch.equal(lse, expect_lse)
     assert fa3.get_scheduler_metadata(2, 33, 33, 6, 2, 16) is None
+    # rotary: FlashAttention 3's arguments passed on, rotary_seqlens among them
+    rotary = dict(rotary_cos=torch.randn(40, 4), rotary_sin=torch.randn(40, 4), rotary_interleaved=False,
+                  rotary_seqlens=torch.tensor([5, 2], dtype=torch.int32), cache_seqlens=seqlens)
+    caches = [(k.clone(), v.clone()) for _ in range(2)]
+    got = fa3.flash_attn_with_kvcache(q[:, :3], *caches[0], k[:, :3], v[:, :3], **rotary, **kw)
+    expect = gqa_module.attention_with_kvcache(q[:, :3], *caches[1], k[:, :3], v[:, :3], **rotary, **kw)
+    assert torch.equal(got, expect) and torch.equal(caches[0][0], caches[1][0])
     parts = [gqa_module.attention(q, k[:, a:b], v[:, a:b], return_lse=True) for a, b in ((0, 10), (10, 33))]
     outs, lses = torch.stack([o for o, _ in parts]), torch.stack([l for _, l in parts])
     combined, combined_lse = fa3.flash_attn_combine(outs, lses.transpose(-1, -2), out_dtype=torch.float64)
@@ -679,7 +686,6 @@ def test_flash_attention_3_stand_in_maps_its_arguments():
                           (lambda: fa3.flash_attn_func(q, k, v, attention_chunk=8), "attention_chunk"),
                           (lambda: fa3.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 20, 20, seqused_q=used),
                            "seqused_q"),
-                          (lambda: fa3.flash_attn_with_kvcache(q, k, v, rotary_cos=k), "kvcache \\(rotary\\)"),
                           (lambda: fa3.flash_attn_with_kvcache(q[0], k, v, cu_seqlens_q=cu), "kvcache \\(packed q"),
                           (lambda: fa3.flash_attn_combine(out[None], lse[None].transpose(-1, -2), out=out),
                            "combine into a given out")):
@@ -694,6 +700,7 @@ def test_flash_attention_stand_in_maps_its_arguments():
     sys.path.insert(0, os.path.join(HERE, "bench", "fa_shim"))
     try:
         import flash_attn
+        import flash_attn.layers.rotary as rotary_emb
     finally:
         sys.path.pop(0)
         for name in [name for name in sys.modules if name.split(".")[0] == "flash_attn"]:
@@ -711,8 +718,7 @@ def test_flash_attention_stand_in_maps_its_arguments():
     for call, feature in ((lambda: flash_attn.flash_attn_func(q, k, v, 0.1), "dropout"),
                           (lambda: flash_attn.flash_attn_func(q, k, v, alibi_slopes=torch.ones(2, 6)), "alibi"),
                           (lambda: flash_attn.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 33, 33,
-                                                                      block_table=cu), "paged kv"),
-                          (lambda: flash_attn.flash_attn_with_kvcache(q, k, v, rotary_cos=k), "kvcache \\(rotary\\)")):
+                                                                      block_table=cu), "paged kv")):
         with pytest.raises(pytest.skip.Exception, match="unsupported: " + feature):
             call()
     cu = torch.tensor([0, 20, 33], dtype=torch.int32)
@@ -725,6 +731,19 @@ def test_flash_attention_stand_in_maps_its_arguments():
     out, lse = flash_attn.flash_attn_with_kvcache(q[:, :3], k, v, cache_seqlens=seqlens, return_softmax_lse=True, **kw)
     expect_out, expect_lse = gqa_module.attention_with_kvcache(q[:, :3], k, v, cache_seqlens=seqlens, return_lse=True, **kw)
     assert torch.equal(out, expect_out) and torch.equal(lse, expect_lse)
+    # rotary (FlashAttention 2's default pairs: interleaved) passed on; the stand-in's apply_rotary_emb,
+    # which FlashAttention's tests build their references with, turns as the library does
+    cos, sin = torch.randn(40, 4), torch.randn(40, 4)
+    caches = [(k.clone(), v.clone()) for _ in range(2)]
+    got = flash_attn.flash_attn_with_kvcache(q[:, :3], *caches[0], k[:, :3], v[:, :3], rotary_cos=cos, rotary_sin=sin,
+                                             cache_seqlens=seqlens, **kw)
+    expect = gqa_module.attention_with_kvcache(q[:, :3], *caches[1], k[:, :3], v[:, :3], rotary_cos=cos, rotary_sin=sin,
+                                               cache_seqlens=seqlens, **kw)
+    assert torch.equal(got, expect) and torch.equal(caches[0][0], caches[1][0])
+    for interleaved in (True, False):
+        turned = rotary_emb.apply_rotary_emb(k[:, :3], cos, sin, interleaved=interleaved, seqlen_offsets=seqlens)
+        positions = seqlens.long().view(-1, 1) + torch.arange(3)
+        assert torch.allclose(turned, gqa_geometry._turn(k[:, :3], cos, sin, positions, interleaved), atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------
