@@ -6,7 +6,9 @@ formed, their rules (one copy, here), and the PyTorch implementation that CPU te
 - q [B, Tq, Hq, D], k and v [B, Tk, Hkv, D]; query head h reads kv head h // (Hq // Hkv).
 - Query i is aligned with key i + Tk - Tq (bottom right, as FlashAttention does when Tq != Tk).
   It sees key j when i + Tk - Tq - left <= j <= i + Tk - Tq + right, for window_size = (left,
-  right), where -1 (or None) means unbounded on that side; causal=True sets right to 0.
+  right), where -1 (or None) means unbounded on that side; causal=True sets right to 0. With
+  attention_chunk = C > 0 (FlashAttention 3's), only the keys of the chunk [c, c + C) that holds
+  key i + Tk - Tq, c a multiple of C (floor division), among those.
 - Scores are q . k * softmax_scale (default 1 / sqrt(D)), then softcap * tanh(score / softcap)
   when softcap > 0.
 - A row that sees no key gives an output of 0 and a log-sum-exp of -inf (FlashAttention-3's rule).
@@ -37,7 +39,8 @@ def wide_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-Geometry = collections.namedtuple("Geometry", "Tq Tk causal left right scale softcap return_lse")
+# chunk: FlashAttention 3's attention_chunk (0: none)
+Geometry = collections.namedtuple("Geometry", "Tq Tk causal left right scale softcap return_lse chunk", defaults=(0,))
 Sequence = collections.namedtuple("Sequence", "q0 Tq k0 Tk")   # one sequence of a packed call
 
 
@@ -63,9 +66,10 @@ def _window_side(name, side, x):
     return value
 
 
-def arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse):
+def arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse, attention_chunk=0):
     """The checked geometry of a call on q [B, Tq, Hq, D] and k [B, Tk, Hkv, D] (their shapes are
-    the tensor rules' to check): a Geometry, or a TypeError or ValueError naming the argument."""
+    the tensor rules' to check): a Geometry, or a TypeError or ValueError naming the argument. A
+    chunk that holds every key for every query (Tq <= Tk <= chunk) is none."""
     if not isinstance(causal, bool):
         raise TypeError("attention: causal must be a bool, got %s" % type(causal).__name__)
     if not isinstance(return_lse, bool):
@@ -91,8 +95,18 @@ def arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse):
     right = _window_side("right", 1, window_size[1])   # checked even where causal sets it to 0
     if causal:
         right = 0
+    try:
+        chunk = None if isinstance(attention_chunk, bool) else operator.index(attention_chunk)
+    except TypeError:
+        chunk = None
+    if chunk is None:
+        raise TypeError("attention: attention_chunk must be an int (0 for none), got %s" % type(attention_chunk).__name__)
+    if chunk < 0:
+        raise ValueError("attention: attention_chunk must be >= 0 (0 for none), got %d" % chunk)
     Tq, Tk = q.shape[1], k.shape[1]
-    return Geometry(Tq, Tk, causal, left, right, scale, float(softcap), return_lse)
+    if Tq <= Tk <= chunk:
+        chunk = 0
+    return Geometry(Tq, Tk, causal, left, right, scale, float(softcap), return_lse, chunk)
 
 
 def key_ranges(geo, device=None):
@@ -101,12 +115,15 @@ def key_ranges(geo, device=None):
     aligned = torch.arange(geo.Tq, device=device) + (geo.Tk - geo.Tq)
     first = (aligned - geo.left).clamp(min=0) if geo.left >= 0 else torch.zeros_like(aligned)
     last = (aligned + geo.right).clamp(max=geo.Tk - 1) if geo.right >= 0 else torch.full_like(aligned, geo.Tk - 1)
+    if geo.chunk > 0:   # within the chunk of keys that holds the aligned key (floor division)
+        start = aligned - torch.remainder(aligned, geo.chunk)
+        first, last = torch.maximum(first, start), torch.minimum(last, start + geo.chunk - 1)
     return first, last
 
 
 def is_causal_square(geo):
     """Whether the call is causal attention with Tq = Tk: each query t sees keys 0..t, no fewer."""
-    return geo.Tq == geo.Tk and geo.right == 0 and (geo.left < 0 or geo.left >= geo.Tk - 1)
+    return geo.Tq == geo.Tk and geo.right == 0 and (geo.left < 0 or geo.left >= geo.Tk - 1) and geo.chunk == 0
 
 
 def _sees(geo, device):
@@ -188,6 +205,8 @@ def cuda_gap(geo, D):
     (the row-wise kernels take every geometry and scale, and the log-sum-exp)."""
     if geo.softcap > 0:
         return "softcap=%r" % geo.softcap
+    if geo.chunk > 0:
+        return "attention_chunk=%d" % geo.chunk
     return None
 
 

@@ -732,7 +732,8 @@ def causal_gqa_attention(q, k, v):
 
 
 # bundle: begin general-entry
-def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, return_lse=False):
+def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, attention_chunk=0,
+              return_lse=False):
     """Attention with FlashAttention's arguments and meanings (gqa_geometry.py states them): q
     [B, Tq, Hq, D], k and v [B, Tk, Hkv, D] -> out [B, Tq, Hq, D] in q's dtype, or (out, lse [B,
     Hq, Tq]) with return_lse=True. causal defaults to False, as flash_attn_func's does.
@@ -740,14 +741,15 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     CPU tensors run every option through PyTorch (differentiable, the log-sum-exp too). CUDA
     tensors run the kernels of causal_gqa_attention for causal attention with Tq = Tk (causal=True,
     or a window that equals it), the default softmax_scale (within float32 rounding) and no
-    log-sum-exp output; every other option but softcap runs the row-wise kernels of any geometry
-    (slower; the log-sum-exp not differentiable there); softcap raises a NotImplementedError."""
+    log-sum-exp output; every other option but softcap and attention_chunk (FlashAttention 3's
+    chunked attention) runs the row-wise kernels of any geometry (slower; the log-sum-exp not
+    differentiable there); those two raise a NotImplementedError naming them."""
     import gqa_geometry
 
     _require_tensors(q, k, v, "attention")
     if _on_cuda(q, k, v):
         if q.dim() == 4 and k.dim() == 4:
-            geo = gqa_geometry.arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse)
+            geo = gqa_geometry.arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse, attention_chunk)
             gap = gqa_geometry.cuda_gap(geo, q.shape[3])
             if gap:
                 raise NotImplementedError(
@@ -759,13 +761,14 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
                 return (out, lse) if return_lse else out
         return causal_gqa_attention(q, k, v)
     load_cpu_library().check_inputs.default(q, k, v, "attention", False)
-    geo = gqa_geometry.arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse)
+    geo = gqa_geometry.arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse, attention_chunk)
     out, lse = gqa_geometry.attention_torch(q, k, v, geo)
     return (out, lse) if return_lse else out
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                     softmax_scale=None, window_size=(-1, -1), softcap=0.0, seqused_k=None, return_lse=False):
+                     softmax_scale=None, window_size=(-1, -1), softcap=0.0, attention_chunk=0, seqused_k=None,
+                     return_lse=False):
     """Packed sequences with flash_attn_varlen_func's arguments and meanings (gqa_geometry.py):
     q [total_q, Hq, D], k and v [total_k, Hkv, D], int32 cu_seqlens_q and cu_seqlens_k of batch + 1
     offsets, optional int32 seqused_k -> out [total_q, Hq, D], or (out, lse [Hq, total_q]). Every
@@ -784,7 +787,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if not _on_cuda(q, k, v):
         load_cpu_library().check_inputs.default(q[None], k[None], v[None], "attention_varlen", False)
     seqs = gqa_geometry.varlen_sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
-    options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap)
+    options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                   attention_chunk=attention_chunk)
     gqa_geometry.arguments(q[None], k[None], return_lse=return_lse, **options)   # the options' rules, once
 
     def run(q_b, k_b, v_b):
@@ -805,7 +809,7 @@ def attention_combine(outs, lses, out_dtype=None):
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_sin=None,
                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
                            rotary_seqlens=None, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                           rotary_interleaved=True, return_lse=False):
+                           attention_chunk=0, rotary_interleaved=True, return_lse=False):
     """Attention over a KV cache with flash_attn_with_kvcache's arguments and meanings
     (gqa_geometry.py): q [B, Tq, Hq, D]; k_cache and v_cache [B_cache, Tk_max, Hkv, D], or with
     page_table (int32 [B, pages]) pools [pages, page_size, Hkv, D]; k and v [B, Tnew, Hkv, D], if
@@ -842,7 +846,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
                                  % (entry, name, k_cache.dtype, k_cache.device, x.dtype, x.device))
     rows = gqa_geometry.kvcache_rows(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, page_table)
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                   return_lse=return_lse)
+                   attention_chunk=attention_chunk, return_lse=return_lse)
     geo = gqa_geometry.arguments(q, q, **options)   # the options' rules, before the caches change
     tk_max = k_cache.shape[1] * (page_table.shape[1] if page_table is not None else 1)
     with torch.no_grad():

@@ -75,15 +75,17 @@ def causal_gqa_reference(q, k, v, attended_only=False):
     return out
 
 
-def attention_ref(q, k, v, causal=True, window=(-1, -1), scale=None, softcap=0.0):
+def attention_ref(q, k, v, causal=True, window=(-1, -1), scale=None, softcap=0.0, chunk=0):
     """Attention in float64 with FlashAttention's arguments and meanings, the reference for every
     mask: q [B, Tq, Hq, D], k and v [B, Tk, Hkv, D] (query head h reads kv head h // (Hq // Hkv)).
 
     Query i is aligned with key i + Tk - Tq (bottom right, as FlashAttention does when Tq != Tk).
     It sees key j when j <= i + Tk - Tq + right and j >= i + Tk - Tq - left, for window = (left,
-    right) where -1 means unbounded; causal=True sets right to 0. Scores are q . k * scale (default
-    1/sqrt(D)), then softcap * tanh(score / softcap) when softcap > 0. A row that sees no key gives
-    0 and a log-sum-exp of -inf. Returns (out [B, Tq, Hq, D], lse [B, Hq, Tq], natural log), float64.
+    right) where -1 means unbounded; causal=True sets right to 0; with chunk > 0 (FlashAttention 3's
+    attention_chunk) only where j also lies in the chunk of `chunk` keys that holds key i + Tk - Tq
+    (chunks start at multiples of chunk; a negative aligned key's chunk holds no key). Scores are
+    q . k * scale (default 1/sqrt(D)), then softcap * tanh(score / softcap) when softcap > 0. A row
+    that sees no key gives 0 and a log-sum-exp of -inf. Returns (out [B, Tq, Hq, D], lse [B, Hq, Tq], natural log), float64.
     As causal_gqa_reference, inputs holding Inf or NaN take loops over the keys each row sees, so
     a masked key's 0 weight never multiplies them."""
     B, Tq, Hq, D = q.shape
@@ -97,6 +99,9 @@ def attention_ref(q, k, v, causal=True, window=(-1, -1), scale=None, softcap=0.0
         sees &= j <= i + right
     if left >= 0:
         sees &= j >= i - left
+    if chunk > 0:
+        start = i - torch.remainder(i, chunk)   # the chunk's first key (floor, also for negative i)
+        sees &= (j >= start) & (j < start + chunk)
     q64, k64, v64 = q.double(), k.double(), v.double()
     out = torch.zeros(B, Tq, Hq, D, dtype=torch.float64, device=q.device)
     lse = torch.full((B, Hq, Tq), -math.inf, dtype=torch.float64, device=q.device)

@@ -567,6 +567,35 @@ def test_attention_cpu_matches_float64_on_every_mask(dtype, tol):
             assert_rows_close(out, lse, *reference_of(q, k, v, geo), tol, (Tq, Tk, causal, window, scale, softcap))
 
 
+# FlashAttention 3's attention_chunk over masks of MASKS (causal, window, scale, softcap, chunk):
+# chunks of one key, of fewer keys than the window, of more keys than Tk, with Tq > Tk and < Tk
+CHUNK_MASKS = [(True, (-1, -1), None, 0.0, 1), (True, (-1, -1), None, 0.0, 16), (False, (-1, -1), 0.3, 0.0, 7),
+               (True, (20, -1), None, 5.0, 4), (False, (5, 9), None, 0.0, 10), (True, (-1, -1), None, 0.0, 70)]
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_attention_chunk_cpu_matches_float64(dtype, tol):
+    """attention_chunk (FlashAttention 3's chunked attention) on CPU against reference.attention_ref
+    (its own statement of the chunk rule) at every (Tq, Tk) of LENGTHS: each output row and
+    log-sum-exp, rows that see no key 0 and -inf; a chunk holding every key is no chunk; on CUDA
+    tensors it is named as what no kernel runs (test_attention_cuda_routes_name_the_option)."""
+    for Tq, Tk in LENGTHS:
+        for causal, window, scale, softcap, chunk in CHUNK_MASKS:
+            q, k, v = masked_qkv(2, Tq, Tk, 6, 2, 23, dtype)
+            out, lse = gqa_module.attention(q, k, v, causal=causal, window_size=window, softmax_scale=scale,
+                                            softcap=softcap, attention_chunk=chunk, return_lse=True)
+            ref = reference.attention_ref(q, k, v, causal=causal, window=tuple(-1 if w is None else w for w in window),
+                                          scale=scale, softcap=softcap, chunk=chunk)
+            assert_rows_close(out, lse, *ref, tol, (Tq, Tk, causal, window, scale, softcap, chunk))
+    q, k, v = masked_qkv(1, 40, 60, 4, 2, 8, torch.float64)
+    assert gqa_geometry.arguments(q, k, True, None, (-1, -1), 0.0, False, 60).chunk == 0
+    assert gqa_geometry.arguments(k, q, True, None, (-1, -1), 0.0, False, 60).chunk == 60   # Tq > Tk: rows before
+    with pytest.raises(ValueError, match="attention_chunk must be >= 0"):
+        gqa_module.attention(q, k, v, attention_chunk=-1)
+    with pytest.raises(TypeError, match="attention_chunk must be an int"):
+        gqa_module.attention(q, k, v, attention_chunk=2.5)
+
+
 def test_attention_public_entry_on_cpu():
     """gqa_module.attention on CPU tensors: FlashAttention's defaults (causal=False), the
     log-sum-exp only when asked, causal=True as causal_gqa_attention, Tq != Tk against the float64
@@ -669,6 +698,8 @@ def test_flash_attention_3_stand_in_maps_its_arguments():
     expect_out, expect_lse = gqa_module.attention_with_kvcache(q[:, :3], k, v, cache_seqlens=seqlens, return_lse=True, **kw)
     assert torch.equal(out, expect_out) and torch.equal(lse, expect_lse)
     assert fa3.get_scheduler_metadata(2, 33, 33, 6, 2, 16) is None
+    assert torch.equal(fa3.flash_attn_func(q, k, v, attention_chunk=8, **kw),
+                       gqa_module.attention(q, k, v, attention_chunk=8, **kw))
     # rotary: FlashAttention 3's arguments passed on, rotary_seqlens among them
     rotary = dict(rotary_cos=torch.randn(40, 4), rotary_sin=torch.randn(40, 4), rotary_interleaved=False,
                   rotary_seqlens=torch.tensor([5, 2], dtype=torch.int32), cache_seqlens=seqlens)
@@ -683,7 +714,6 @@ def test_flash_attention_3_stand_in_maps_its_arguments():
     assert torch.equal(combined, expect_out) and torch.equal(combined_lse, expect_lse.transpose(-1, -2))
     for call, feature in ((lambda: fa3.flash_attn_func(q, k, v, qv=q), "qv"),
                           (lambda: fa3.flash_attn_func(q.to(torch.float8_e4m3fn), k, v), "fp8"),
-                          (lambda: fa3.flash_attn_func(q, k, v, attention_chunk=8), "attention_chunk"),
                           (lambda: fa3.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 20, 20, seqused_q=used),
                            "seqused_q"),
                           (lambda: fa3.flash_attn_with_kvcache(q[0], k, v, cu_seqlens_q=cu), "kvcache \\(packed q"),
@@ -1139,6 +1169,7 @@ def test_attention_cuda_routes_name_the_option():
     assert route(return_lse=True) == route(causal=False) == route(window_size=(8, -1)) == "rows"
     assert route(softmax_scale=0.1) == route(kv=torch.empty(1, 12, 2, 64)) == "rows"
     assert route(softcap=30.0) == "softcap=30.0"
+    assert route(attention_chunk=4) == "attention_chunk=4" and route(attention_chunk=10) == "causal"   # 10 keys
 
 
 @needs_gpu
