@@ -753,8 +753,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
             gap = gqa_geometry.cuda_gap(geo, q.shape[3])
             if gap:
                 raise NotImplementedError(
-                    "attention: on CUDA tensors this version runs every option but softcap; this call asks "
-                    "for %s. CPU tensors run every option." % gap)
+                    "attention: on CUDA tensors this version runs every option but softcap and attention_chunk; "
+                    "this call asks for %s. CPU tensors run every option." % gap)
             if not gqa_geometry.takes_causal_kernels(geo, q.shape[3]):
                 ops = _OPS if _OPS is not None else load_extension(first_call=(q, k, v))
                 out, lse = ops.attention_rows(q, k, v, geo.left, geo.right, geo.scale)
