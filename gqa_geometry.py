@@ -10,7 +10,8 @@ formed, their rules (one copy, here), and the PyTorch implementation that CPU te
   attention_chunk = C > 0 (FlashAttention 3's), only the keys of the chunk [c, c + C) that holds
   key i + Tk - Tq, c a multiple of C (floor division), among those.
 - Scores are q . k * softmax_scale (default 1 / sqrt(D)), then softcap * tanh(score / softcap)
-  when softcap > 0.
+  when softcap > 0, then - alibi_slopes[h] * |i + Tk - Tq - j| (FlashAttention 2's ALiBi, slopes
+  per query head, or per batch row and query head) where alibi_slopes is given.
 - A row that sees no key gives an output of 0 and a log-sum-exp of -inf (FlashAttention-3's rule).
 - The log-sum-exp is the natural log, laid out [B, Hq, Tq] as FlashAttention's, in float32
   (float64 for float64 inputs).
@@ -39,8 +40,9 @@ def wide_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-# chunk: FlashAttention 3's attention_chunk (0: none)
-Geometry = collections.namedtuple("Geometry", "Tq Tk causal left right scale softcap return_lse chunk", defaults=(0,))
+# chunk: FlashAttention 3's attention_chunk (0: none); alibi: [1 or B, Hq] slopes, or None
+Geometry = collections.namedtuple("Geometry", "Tq Tk causal left right scale softcap return_lse chunk alibi",
+                                  defaults=(0, None))
 Sequence = collections.namedtuple("Sequence", "q0 Tq k0 Tk")   # one sequence of a packed call
 
 
@@ -66,7 +68,7 @@ def _window_side(name, side, x):
     return value
 
 
-def arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse, attention_chunk=0):
+def arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse, attention_chunk=0, alibi_slopes=None):
     """The checked geometry of a call on q [B, Tq, Hq, D] and k [B, Tk, Hkv, D] (their shapes are
     the tensor rules' to check): a Geometry, or a TypeError or ValueError naming the argument. A
     chunk that holds every key for every query (Tq <= Tk <= chunk) is none."""
@@ -106,7 +108,25 @@ def arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse, att
     Tq, Tk = q.shape[1], k.shape[1]
     if Tq <= Tk <= chunk:
         chunk = 0
-    return Geometry(Tq, Tk, causal, left, right, scale, float(softcap), return_lse, chunk)
+    alibi_rows(alibi_slopes, q, q.shape[0], q.shape[2])   # the slopes' rules
+    alibi = None if alibi_slopes is None else alibi_slopes.reshape(-1, q.shape[2])
+    return Geometry(Tq, Tk, causal, left, right, scale, float(softcap), return_lse, chunk, alibi)
+
+
+def alibi_rows(x, q, batch, Hq, entry="attention"):
+    """alibi_slopes as FlashAttention 2 takes them, float32 (float64 beside float64 inputs) [Hq]
+    or [batch, Hq] on q's device: the slopes of each of the batch's rows ([Hq] each), or None for
+    each where x is None."""
+    if x is None:
+        return [None] * batch
+    if not isinstance(x, torch.Tensor):
+        raise TypeError("%s: alibi_slopes must be a torch.Tensor (float32) or None, got %s" % (entry, type(x).__name__))
+    if x.dtype not in (torch.float32, wide_dtype(q.dtype)) or tuple(x.shape) not in ((Hq,), (batch, Hq)):
+        raise ValueError("%s: alibi_slopes must be float32 of shape (Hq,) = (%d,) or (batch, Hq) = (%d, %d), got %s "
+                         "of shape %s" % (entry, Hq, batch, Hq, x.dtype, tuple(x.shape)))
+    if x.device != q.device:
+        raise ValueError("%s: alibi_slopes must be on q's device %s, got %s" % (entry, q.device, x.device))
+    return [x if x.dim() == 1 else x[b] for b in range(batch)]
 
 
 def key_ranges(geo, device=None):
@@ -123,7 +143,8 @@ def key_ranges(geo, device=None):
 
 def is_causal_square(geo):
     """Whether the call is causal attention with Tq = Tk: each query t sees keys 0..t, no fewer."""
-    return geo.Tq == geo.Tk and geo.right == 0 and (geo.left < 0 or geo.left >= geo.Tk - 1) and geo.chunk == 0
+    return (geo.Tq == geo.Tk and geo.right == 0 and (geo.left < 0 or geo.left >= geo.Tk - 1) and geo.chunk == 0
+            and geo.alibi is None)
 
 
 def _sees(geo, device):
@@ -133,10 +154,22 @@ def _sees(geo, device):
     return (j >= first.view(-1, 1)) & (j <= last.view(-1, 1))
 
 
-def _scores(geo, q, k):
-    """q [..., D] against k [..., D] as the call forms them (scale, then softcap)."""
+def _scores(geo, q, k, slopes, rows, keys):
+    """q [..., rows, D] against k [..., keys, D] (query rows `rows` and keys `keys`, int64
+    positions) as the call forms them: scale, then softcap, then ALiBi (slopes [..., 1, 1]
+    broadcasting against the scores' leading dims, or None)."""
     s = torch.matmul(q, k.transpose(-1, -2)) * geo.scale
-    return geo.softcap * torch.tanh(s / geo.softcap) if geo.softcap > 0 else s
+    if geo.softcap > 0:
+        s = geo.softcap * torch.tanh(s / geo.softcap)
+    if slopes is not None:   # slopes times |aligned row - key|
+        distance = ((rows + geo.Tk - geo.Tq).view(-1, 1) - keys.view(1, -1)).abs().to(s.dtype)
+        s = s - slopes.to(s.dtype)[..., None, None] * distance
+    return s
+
+
+def _kv_head_slopes(geo, Hkv):
+    """The ALiBi slopes as [1 or B, Hkv, group], or None."""
+    return None if geo.alibi is None else geo.alibi.view(geo.alibi.shape[0], Hkv, -1)
 
 
 def attention_torch(q, k, v, geo):
@@ -163,8 +196,11 @@ def _dense(geo, qa, ka, va):
     sees = _sees(geo, qa.device)
     blind = ~sees.any(dim=-1, keepdim=True)   # rows that see no key
     outs, lses = [], []
+    rows, keys = torch.arange(geo.Tq, device=qa.device), torch.arange(geo.Tk, device=qa.device)
+    slopes = _kv_head_slopes(geo, qa.shape[1])
     for h in range(qa.shape[1]):
-        s = _scores(geo, qa[:, h], ka[:, h].unsqueeze(1)).masked_fill(~sees, -math.inf)
+        s = _scores(geo, qa[:, h], ka[:, h].unsqueeze(1), None if slopes is None else slopes[:, h], rows, keys)
+        s = s.masked_fill(~sees, -math.inf)
         # A blind row's scores become zeros (a finite stand-in: no -inf - -inf, whose NaN would
         # reach the gradients); its weights and log-sum-exp are set below.
         s = s.masked_fill(blind, 0.0)
@@ -178,13 +214,15 @@ def _dense(geo, qa, ka, va):
 def _row_by_row(geo, qa, ka, va):
     """Each query row over the keys it sees alone."""
     B, Hkv, group, Tq, D = qa.shape
+    slopes = _kv_head_slopes(geo, Hkv)
     outs, lses = [], []
     for i, (first, last) in enumerate(zip(*(r.tolist() for r in key_ranges(geo)))):
         if first > last:
             outs.append(qa.new_zeros(B, Hkv, group, D))
             lses.append(qa.new_full((B, Hkv, group), -math.inf))
             continue
-        s = _scores(geo, qa[:, :, :, i], ka[:, :, first:last + 1])   # [B, Hkv, group, keys]
+        row, keys = torch.tensor([i], device=qa.device), torch.arange(first, last + 1, device=qa.device)
+        s = _scores(geo, qa[:, :, :, i:i + 1], ka[:, :, first:last + 1].unsqueeze(2), slopes, row, keys)[..., 0, :]
         # torch.softmax's weights: a row with a score of +inf has NaN weights at every key (SDPA's
         # and FlashAttention's references); its log-sum-exp is torch.logsumexp's +inf
         outs.append(torch.matmul(torch.softmax(s, dim=-1), va[:, :, first:last + 1]))
@@ -207,6 +245,8 @@ def cuda_gap(geo, D):
         return "softcap=%r" % geo.softcap
     if geo.chunk > 0:
         return "attention_chunk=%d" % geo.chunk
+    if geo.alibi is not None:
+        return "alibi_slopes"
     return None
 
 
@@ -277,8 +317,8 @@ def varlen_sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 
 
 def per_sequence(run, q, k, v, seqs, return_lse):
-    """A packed call assembled from one call per sequence: run(q_b, k_b, v_b) on [1, T, H, D]
-    slices gives (out [1, Tq, Hq, D], lse [1, Hq, Tq] or None); -> out [total_q, Hq, D], and lse
+    """A packed call assembled from one call per sequence: run(b, q_b, k_b, v_b) on sequence b's
+    [1, T, H, D] slices gives (out [1, Tq, Hq, D], lse [1, Hq, Tq] or None); -> out [total_q, Hq, D], and lse
     [Hq, total_q] with return_lse. Rows past the last sequence: output 0, log-sum-exp -inf.
     Differentiable where run is."""
     total_q, Hq, D = q.shape
@@ -287,11 +327,11 @@ def per_sequence(run, q, k, v, seqs, return_lse):
     def gap(rows):   # rows of no sequence
         outs.append(q.new_zeros(rows, Hq, D))
         lses.append(torch.full((Hq, rows), -math.inf, dtype=lse_dtype, device=q.device))
-    for seq in seqs:   # cu_seqlens_q's sequences lie one after another from row 0
+    for b, seq in enumerate(seqs):   # cu_seqlens_q's sequences lie one after another from row 0
         if seq.Tq == 0:
             continue
         keys = slice(seq.k0, seq.k0 + seq.Tk)
-        out, lse = run(q[seq.q0:seq.q0 + seq.Tq].unsqueeze(0), k[keys].unsqueeze(0), v[keys].unsqueeze(0))
+        out, lse = run(b, q[seq.q0:seq.q0 + seq.Tq].unsqueeze(0), k[keys].unsqueeze(0), v[keys].unsqueeze(0))
         outs.append(out[0])
         lses.append(lse[0] if lse is not None else None)
         row = seq.q0 + seq.Tq

@@ -733,7 +733,7 @@ def causal_gqa_attention(q, k, v):
 
 # bundle: begin general-entry
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, attention_chunk=0,
-              return_lse=False):
+              alibi_slopes=None, return_lse=False):
     """Attention with FlashAttention's arguments and meanings (gqa_geometry.py states them): q
     [B, Tq, Hq, D], k and v [B, Tk, Hkv, D] -> out [B, Tq, Hq, D] in q's dtype, or (out, lse [B,
     Hq, Tq]) with return_lse=True. causal defaults to False, as flash_attn_func's does.
@@ -741,34 +741,37 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     CPU tensors run every option through PyTorch (differentiable, the log-sum-exp too). CUDA
     tensors run the kernels of causal_gqa_attention for causal attention with Tq = Tk (causal=True,
     or a window that equals it), the default softmax_scale (within float32 rounding) and no
-    log-sum-exp output; every other option but softcap and attention_chunk (FlashAttention 3's
-    chunked attention) runs the row-wise kernels of any geometry (slower; the log-sum-exp not
-    differentiable there); those two raise a NotImplementedError naming them."""
+    log-sum-exp output; every other option but softcap, attention_chunk (FlashAttention 3's
+    chunked attention) and alibi_slopes (FlashAttention 2's ALiBi) runs the row-wise kernels of any
+    geometry (slower; the log-sum-exp not differentiable there); those three raise a
+    NotImplementedError naming them."""
     import gqa_geometry
 
     _require_tensors(q, k, v, "attention")
     if _on_cuda(q, k, v):
         if q.dim() == 4 and k.dim() == 4:
-            geo = gqa_geometry.arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse, attention_chunk)
+            geo = gqa_geometry.arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse, attention_chunk,
+                                         alibi_slopes)
             gap = gqa_geometry.cuda_gap(geo, q.shape[3])
             if gap:
                 raise NotImplementedError(
-                    "attention: on CUDA tensors this version runs every option but softcap and attention_chunk; "
-                    "this call asks for %s. CPU tensors run every option." % gap)
+                    "attention: on CUDA tensors this version runs every option but softcap, attention_chunk and "
+                    "alibi_slopes; this call asks for %s. CPU tensors run every option." % gap)
             if not gqa_geometry.takes_causal_kernels(geo, q.shape[3]):
                 ops = _OPS if _OPS is not None else load_extension(first_call=(q, k, v))
                 out, lse = ops.attention_rows(q, k, v, geo.left, geo.right, geo.scale)
                 return (out, lse) if return_lse else out
         return causal_gqa_attention(q, k, v)
     load_cpu_library().check_inputs.default(q, k, v, "attention", False)
-    geo = gqa_geometry.arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse, attention_chunk)
+    geo = gqa_geometry.arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse, attention_chunk,
+                                 alibi_slopes)
     out, lse = gqa_geometry.attention_torch(q, k, v, geo)
     return (out, lse) if return_lse else out
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                     softmax_scale=None, window_size=(-1, -1), softcap=0.0, attention_chunk=0, seqused_k=None,
-                     return_lse=False):
+                     softmax_scale=None, window_size=(-1, -1), softcap=0.0, attention_chunk=0, alibi_slopes=None,
+                     seqused_k=None, return_lse=False):
     """Packed sequences with flash_attn_varlen_func's arguments and meanings (gqa_geometry.py):
     q [total_q, Hq, D], k and v [total_k, Hkv, D], int32 cu_seqlens_q and cu_seqlens_k of batch + 1
     offsets, optional int32 seqused_k -> out [total_q, Hq, D], or (out, lse [Hq, total_q]). Every
@@ -790,9 +793,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                    attention_chunk=attention_chunk)
     gqa_geometry.arguments(q[None], k[None], return_lse=return_lse, **options)   # the options' rules, once
+    slopes = gqa_geometry.alibi_rows(alibi_slopes, q, len(seqs), q.shape[1], "attention_varlen")   # per sequence
 
-    def run(q_b, k_b, v_b):
-        result = attention(q_b, k_b, v_b, return_lse=return_lse, **options)
+    def run(b, q_b, k_b, v_b):
+        result = attention(q_b, k_b, v_b, alibi_slopes=slopes[b], return_lse=return_lse, **options)
         return result if return_lse else (result, None)
     return gqa_geometry.per_sequence(run, q, k, v, seqs, return_lse)
 
@@ -809,7 +813,7 @@ def attention_combine(outs, lses, out_dtype=None):
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_sin=None,
                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
                            rotary_seqlens=None, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                           attention_chunk=0, rotary_interleaved=True, return_lse=False):
+                           attention_chunk=0, alibi_slopes=None, rotary_interleaved=True, return_lse=False):
     """Attention over a KV cache with flash_attn_with_kvcache's arguments and meanings
     (gqa_geometry.py): q [B, Tq, Hq, D]; k_cache and v_cache [B_cache, Tk_max, Hkv, D], or with
     page_table (int32 [B, pages]) pools [pages, page_size, Hkv, D]; k and v [B, Tnew, Hkv, D], if
@@ -848,6 +852,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                    attention_chunk=attention_chunk, return_lse=return_lse)
     geo = gqa_geometry.arguments(q, q, **options)   # the options' rules, before the caches change
+    slopes = gqa_geometry.alibi_rows(alibi_slopes, q, q.shape[0], q.shape[2], entry)   # per batch row
     tk_max = k_cache.shape[1] * (page_table.shape[1] if page_table is not None else 1)
     with torch.no_grad():
         q, k = gqa_geometry.rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved, [row[3] for row in rows],
@@ -857,7 +862,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
                 gqa_geometry.write_cache(k_cache, where, start, k[b])
                 gqa_geometry.write_cache(v_cache, where, start, v[b])
         results = [attention(q[b:b + 1], gqa_geometry.cache_keys(k_cache, where, first, end)[None],
-                             gqa_geometry.cache_keys(v_cache, where, first, end)[None], **options)
+                             gqa_geometry.cache_keys(v_cache, where, first, end)[None], alibi_slopes=slopes[b],
+                             **options)
                    for b, (where, first, end, _) in enumerate(rows)]
     if not return_lse:
         return torch.cat(results, dim=0) if results else q.new_empty(q.shape)

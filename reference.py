@@ -75,7 +75,7 @@ def causal_gqa_reference(q, k, v, attended_only=False):
     return out
 
 
-def attention_ref(q, k, v, causal=True, window=(-1, -1), scale=None, softcap=0.0, chunk=0):
+def attention_ref(q, k, v, causal=True, window=(-1, -1), scale=None, softcap=0.0, chunk=0, alibi=None):
     """Attention in float64 with FlashAttention's arguments and meanings, the reference for every
     mask: q [B, Tq, Hq, D], k and v [B, Tk, Hkv, D] (query head h reads kv head h // (Hq // Hkv)).
 
@@ -84,7 +84,8 @@ def attention_ref(q, k, v, causal=True, window=(-1, -1), scale=None, softcap=0.0
     right) where -1 means unbounded; causal=True sets right to 0; with chunk > 0 (FlashAttention 3's
     attention_chunk) only where j also lies in the chunk of `chunk` keys that holds key i + Tk - Tq
     (chunks start at multiples of chunk; a negative aligned key's chunk holds no key). Scores are
-    q . k * scale (default 1/sqrt(D)), then softcap * tanh(score / softcap) when softcap > 0. A row
+    q . k * scale (default 1/sqrt(D)), then softcap * tanh(score / softcap) when softcap > 0, then
+    minus alibi[b, h] * |i + Tk - Tq - j| where alibi ([Hq] or [B, Hq] slopes) is given. A row
     that sees no key gives 0 and a log-sum-exp of -inf. Returns (out [B, Tq, Hq, D], lse [B, Hq, Tq], natural log), float64.
     As causal_gqa_reference, inputs holding Inf or NaN take loops over the keys each row sees, so
     a masked key's 0 weight never multiplies them."""
@@ -105,12 +106,18 @@ def attention_ref(q, k, v, causal=True, window=(-1, -1), scale=None, softcap=0.0
     q64, k64, v64 = q.double(), k.double(), v.double()
     out = torch.zeros(B, Tq, Hq, D, dtype=torch.float64, device=q.device)
     lse = torch.full((B, Hq, Tq), -math.inf, dtype=torch.float64, device=q.device)
-    capped = (lambda s: softcap * torch.tanh(s / softcap)) if softcap > 0 else (lambda s: s)
+    slopes = None if alibi is None else alibi.double().reshape(-1, Hq).expand(B, Hq)
+    distance = (i - j).abs().double()   # |aligned query - key|, [Tq, Tk]
+    def capped(s, h, rows=slice(None), keys=slice(None)):   # softcap, then ALiBi
+        s = softcap * torch.tanh(s / softcap) if softcap > 0 else s
+        if slopes is not None:
+            s = s - slopes[:, h].view(-1, *([1] * (s.dim() - 1))) * distance[rows, keys]
+        return s
     finite = all(bool(torch.isfinite(t).all()) for t in (q64, k64, v64))
     for h in range(Hq):
         kv = h // group
         if finite:
-            s = capped(torch.einsum("btd,bsd->bts", q64[:, :, h], k64[:, :, kv]) * scale).masked_fill(~sees, -math.inf)
+            s = capped(torch.einsum("btd,bsd->bts", q64[:, :, h], k64[:, :, kv]) * scale, h).masked_fill(~sees, -math.inf)
             row_lse = torch.logsumexp(s, dim=-1)
             p = torch.exp(s - row_lse.unsqueeze(-1)).nan_to_num(0.0)   # rows that see no key: 0
             out[:, :, h], lse[:, h] = p @ v64[:, :, kv], row_lse
@@ -118,7 +125,7 @@ def attention_ref(q, k, v, causal=True, window=(-1, -1), scale=None, softcap=0.0
         for t in range(Tq):
             keys = sees[t].nonzero().flatten()
             if keys.numel() > 0:
-                s = capped(torch.einsum("bd,bsd->bs", q64[:, t, h], k64[:, keys, kv]) * scale)
+                s = capped(torch.einsum("bd,bsd->bs", q64[:, t, h], k64[:, keys, kv]) * scale, h, t, keys)
                 lse[:, h, t] = torch.logsumexp(s, dim=-1)
                 out[:, t, h] = torch.einsum("bs,bsd->bd", torch.softmax(s, dim=-1), v64[:, keys, kv])
     return out, lse

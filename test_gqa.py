@@ -596,6 +596,58 @@ def test_attention_chunk_cpu_matches_float64(dtype, tol):
         gqa_module.attention(q, k, v, attention_chunk=2.5)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_attention_alibi_cpu_matches_float64(dtype, tol):
+    """alibi_slopes (FlashAttention 2's ALiBi: - slope * |i + Tk - Tq - j| after softcap), per query
+    head and per batch row and query head, with causal masks, windows, softcap and chunks, at
+    every (Tq, Tk) of LENGTHS: each output row and log-sum-exp against reference.attention_ref's
+    own statement of it; float64 gradients by gradcheck; packed sequences and KV-cache rows take
+    their own row of slopes; the slopes' rules named; CUDA tensors name it as what no kernel runs."""
+    gen = torch.Generator().manual_seed(seed_of("alibi"))
+    for Tq, Tk in LENGTHS:
+        for causal, window, softcap, chunk, per_row in [(True, (-1, -1), 0.0, 0, False), (False, (-1, -1), 0.0, 0, True),
+                                                        (False, (5, 9), 3.0, 0, True), (True, (-1, -1), 0.0, 8, False)]:
+            q, k, v = masked_qkv(2, Tq, Tk, 6, 2, 23, dtype)
+            slopes = torch.rand(2, 6, generator=gen) if per_row else torch.rand(6, generator=gen)
+            slopes = slopes.to(torch.float64 if dtype == torch.float64 else torch.float32)
+            out, lse = gqa_module.attention(q, k, v, causal=causal, window_size=window, softcap=softcap,
+                                            attention_chunk=chunk, alibi_slopes=slopes, return_lse=True)
+            ref = reference.attention_ref(q, k, v, causal=causal, window=window, softcap=softcap, chunk=chunk,
+                                          alibi=slopes)
+            assert_rows_close(out, lse, *ref, tol, (Tq, Tk, causal, window, softcap, chunk, per_row))
+    q, k, v = (t.requires_grad_(True) for t in masked_qkv(2, 5, 7, 4, 2, 3, torch.float64))
+    slopes = torch.rand(2, 4, generator=gen, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda *x: gqa_module.attention(*x, causal=True, alibi_slopes=slopes,
+                                                                    return_lse=True), (q, k, v))
+    # packed sequences: sequence b takes row b of the slopes
+    q, k, v = (t[0] for t in masked_qkv(1, 50, 50, 6, 2, 16, torch.float64))
+    cu = torch.tensor([0, 20, 50], dtype=torch.int32)
+    slopes = torch.rand(2, 6, generator=gen, dtype=torch.float64)
+    packed = gqa_module.attention_varlen(q, k, v, cu, cu, 30, 30, causal=True, alibi_slopes=slopes)
+    for b, (a, e) in enumerate(((0, 20), (20, 50))):
+        alone = gqa_module.attention(q[None, a:e], k[None, a:e], v[None, a:e], causal=True, alibi_slopes=slopes[b])
+        assert torch.equal(packed[a:e], alone[0]), b
+    # a KV cache: batch row b takes row b of the slopes over its own keys
+    q, k_cache, v_cache, k_new, v_new, seqlens = kvcache_case(torch.float64)
+    slopes = torch.rand(6, 6, generator=gen, dtype=torch.float64)
+    out = gqa_module.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=seqlens, causal=True,
+                                            alibi_slopes=slopes)
+    for b, n in enumerate(KVCACHE_SEQLENS):
+        ref, _ = reference.attention_ref(q[b:b + 1], k_cache[b:b + 1, :n + 3], v_cache[b:b + 1, :n + 3], causal=True,
+                                         alibi=slopes[b])
+        assert torch.allclose(out[b:b + 1], ref, atol=1e-12), b
+    q, k, v = masked_qkv(2, 9, 9, 6, 2, 8, torch.float32)
+    for slopes, error, message in [([0.1] * 6, TypeError, "alibi_slopes must be a torch.Tensor"),
+                                   (torch.rand(5), ValueError, r"alibi_slopes must be float32 of shape \(Hq,\) = \(6,\)"),
+                                   (torch.rand(3, 6), ValueError, r"\(batch, Hq\) = \(2, 6\)"),
+                                   (torch.rand(6).half(), ValueError, "alibi_slopes must be float32")]:
+        with pytest.raises(error, match=message):
+            gqa_module.attention(q, k, v, alibi_slopes=slopes)
+    with pytest.raises(ValueError, match=r"attention_varlen: alibi_slopes must be .* \(batch, Hq\) = \(2, 6\)"):
+        cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+        gqa_module.attention_varlen(q[0], k[0], v[0], cu, cu, 5, 5, alibi_slopes=torch.rand(3, 6))
+
+
 def test_attention_public_entry_on_cpu():
     """gqa_module.attention on CPU tensors: FlashAttention's defaults (causal=False), the
     log-sum-exp only when asked, causal=True as causal_gqa_attention, Tq != Tk against the float64
@@ -746,7 +798,6 @@ def test_flash_attention_stand_in_maps_its_arguments():
                        gqa_module.attention(q[:, :, :2], k, v, causal=True))
     cu = torch.tensor([0, 33], dtype=torch.int32)
     for call, feature in ((lambda: flash_attn.flash_attn_func(q, k, v, 0.1), "dropout"),
-                          (lambda: flash_attn.flash_attn_func(q, k, v, alibi_slopes=torch.ones(2, 6)), "alibi"),
                           (lambda: flash_attn.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 33, 33,
                                                                       block_table=cu), "paged kv")):
         with pytest.raises(pytest.skip.Exception, match="unsupported: " + feature):
@@ -758,6 +809,9 @@ def test_flash_attention_stand_in_maps_its_arguments():
     assert torch.equal(flash_attn.flash_attn_varlen_kvpacked_func(q[0], torch.stack([k[0], v[0]], dim=1), cu, cu,
                                                                   20, 20, **kw), expect_out)
     seqlens = torch.tensor([30, 12], dtype=torch.int32)
+    slopes = torch.rand(2, 6)
+    assert torch.equal(flash_attn.flash_attn_func(q, k, v, alibi_slopes=slopes, **kw),
+                       gqa_module.attention(q, k, v, alibi_slopes=slopes, **kw))
     out, lse = flash_attn.flash_attn_with_kvcache(q[:, :3], k, v, cache_seqlens=seqlens, return_softmax_lse=True, **kw)
     expect_out, expect_lse = gqa_module.attention_with_kvcache(q[:, :3], k, v, cache_seqlens=seqlens, return_lse=True, **kw)
     assert torch.equal(out, expect_out) and torch.equal(lse, expect_lse)
@@ -1170,6 +1224,7 @@ def test_attention_cuda_routes_name_the_option():
     assert route(softmax_scale=0.1) == route(kv=torch.empty(1, 12, 2, 64)) == "rows"
     assert route(softcap=30.0) == "softcap=30.0"
     assert route(attention_chunk=4) == "attention_chunk=4" and route(attention_chunk=10) == "causal"   # 10 keys
+    assert route(alibi_slopes=torch.rand(4)) == "alibi_slopes"
 
 
 @needs_gpu

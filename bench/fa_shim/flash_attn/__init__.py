@@ -17,11 +17,9 @@ def _unsupported(feature):
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs):
     if dropout_p:
         _unsupported("dropout")
-    if alibi_slopes is not None:
-        _unsupported("alibi")
     try:
         result = gqa_module.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                                      softcap=softcap, return_lse=return_attn_probs)
+                                      softcap=softcap, alibi_slopes=alibi_slopes, return_lse=return_attn_probs)
     except NotImplementedError as error:   # CUDA tensors: the kernels' gaps, named
         _unsupported(str(error).split("this call asks for ")[-1].split(". ")[0])
     except ValueError as error:   # the input rules of a version whose attention() takes Tq = Tk only
@@ -56,14 +54,12 @@ def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                       causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table=None):
     if dropout_p:
         _unsupported("dropout")
-    if alibi_slopes is not None:
-        _unsupported("alibi")
     if block_table is not None:
         _unsupported("paged kv")
     try:
         result = gqa_module.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                              causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                                             softcap=softcap, return_lse=return_attn_probs)
+                                             softcap=softcap, alibi_slopes=alibi_slopes, return_lse=return_attn_probs)
     except NotImplementedError as error:   # CUDA tensors: the kernels' gaps, named
         _unsupported(str(error).split("this call asks for ")[-1].split(". ")[0])
     if return_attn_probs:
@@ -97,14 +93,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False):
-    if alibi_slopes is not None:
-        _unsupported("alibi")
     try:
         return gqa_module.attention_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                                                  rotary_interleaved=rotary_interleaved, cache_seqlens=cache_seqlens,
                                                  cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
                                                  page_table=block_table, causal=causal, softmax_scale=softmax_scale,
-                                                 window_size=window_size, softcap=softcap,
+                                                 window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                                                  return_lse=return_softmax_lse)
     except NotImplementedError as error:   # CUDA tensors: the kernels' gaps, named
         _unsupported(str(error).split("this call asks for ")[-1].split(". ")[0])
