@@ -108,8 +108,10 @@ def arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse, att
     Tq, Tk = q.shape[1], k.shape[1]
     if Tq <= Tk <= chunk:
         chunk = 0
-    alibi_rows(alibi_slopes, q, q.shape[0], q.shape[2])   # the slopes' rules
-    alibi = None if alibi_slopes is None else alibi_slopes.reshape(-1, q.shape[2])
+    alibi = None
+    if alibi_slopes is not None:
+        alibi_rows(alibi_slopes, q, q.shape[0], q.shape[2])   # the slopes' rules
+        alibi = alibi_slopes.reshape(-1, q.shape[2])
     return Geometry(Tq, Tk, causal, left, right, scale, float(softcap), return_lse, chunk, alibi)
 
 
