@@ -269,19 +269,18 @@ def _seqlens(name, x, q, count=None, entry="attention_varlen"):
     return x.tolist()
 
 
-def _offsets(name, values, total, tensor_name):
-    """The checked offsets of one side: 0 first, never decreasing, the last at most the rows of
-    `tensor_name`."""
+def offsets(name, x, q, total, tensor_name, entry="attention_varlen"):
+    """The checked offsets of one side of a packed call (a 1-D int32 tensor on q's device, as
+    _seqlens), as ints: 0 first, never decreasing, the last at most the rows of `tensor_name`."""
+    values = _seqlens(name, x, q, entry=entry)
     if not values or values[0] != 0:
-        raise ValueError("attention_varlen: %s must start with 0 (it has batch + 1 values), got %s"
-                         % (name, values[:4]))
+        raise ValueError("%s: %s must start with 0 (it has batch + 1 values), got %s" % (entry, name, values[:4]))
     for b in range(len(values) - 1):
         if values[b + 1] < values[b]:
-            raise ValueError("attention_varlen: %s must not decrease, got %d then %d at %d"
-                             % (name, values[b], values[b + 1], b))
+            raise ValueError("%s: %s must not decrease, got %d then %d at %d"
+                             % (entry, name, values[b], values[b + 1], b))
     if values[-1] > total:
-        raise ValueError("attention_varlen: %s ends at %d, past the %d rows of %s"
-                         % (name, values[-1], total, tensor_name))
+        raise ValueError("%s: %s ends at %d, past the %d rows of %s" % (entry, name, values[-1], total, tensor_name))
     return values
 
 
@@ -290,8 +289,8 @@ def varlen_sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     tuples, or a TypeError or ValueError naming the argument and its rule. max_seqlen_q and
     max_seqlen_k must be at least the longest sequence (FlashAttention sizes its grid by them; a
     smaller one would leave rows unwritten there)."""
-    starts_q = _offsets("cu_seqlens_q", _seqlens("cu_seqlens_q", cu_seqlens_q, q), q.shape[0], "q")
-    starts_k = _offsets("cu_seqlens_k", _seqlens("cu_seqlens_k", cu_seqlens_k, q), k.shape[0], "k")
+    starts_q = offsets("cu_seqlens_q", cu_seqlens_q, q, q.shape[0], "q")
+    starts_k = offsets("cu_seqlens_k", cu_seqlens_k, q, k.shape[0], "k")
     if len(starts_q) != len(starts_k):
         raise ValueError("attention_varlen: cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), "
                          "got %d and %d" % (len(starts_q), len(starts_k)))
@@ -305,17 +304,21 @@ def varlen_sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
                 raise ValueError("attention_varlen: seqused_k[%d] must be in 0 .. %d (that sequence's keys in "
                                  "cu_seqlens_k), got %d" % (b, lens_k[b], used[b]))
         lens_k = used
-    for name, given, lens in (("max_seqlen_q", max_seqlen_q, lens_q), ("max_seqlen_k", max_seqlen_k, lens_k)):
-        try:
-            value = None if isinstance(given, bool) else operator.index(given)
-        except TypeError:
-            value = None
-        if value is None:
-            raise TypeError("attention_varlen: %s must be an int, got %s" % (name, type(given).__name__))
-        if value < max(lens, default=0):
-            raise ValueError("attention_varlen: %s (%d) must be at least the longest sequence (%d)"
-                             % (name, value, max(lens, default=0)))
+    longest("max_seqlen_q", max_seqlen_q, lens_q)
+    longest("max_seqlen_k", max_seqlen_k, lens_k)
     return [Sequence(starts_q[b], lens_q[b], starts_k[b], lens_k[b]) for b in range(batch)]
+
+
+def longest(name, given, lens, entry="attention_varlen"):
+    """max_seqlen_q or max_seqlen_k checked: an int, at least the longest of `lens`."""
+    try:
+        value = None if isinstance(given, bool) else operator.index(given)
+    except TypeError:
+        value = None
+    if value is None:
+        raise TypeError("%s: %s must be an int, got %s" % (entry, name, type(given).__name__))
+    if value < max(lens, default=0):
+        raise ValueError("%s: %s (%d) must be at least the longest sequence (%d)" % (entry, name, value, max(lens, default=0)))
 
 
 def per_sequence(run, q, k, v, seqs, return_lse):
@@ -345,7 +348,7 @@ def per_sequence(run, q, k, v, seqs, return_lse):
 
 # ------------------------------------------------------------------------------------------------
 # KV caches
-def _per_row(name, x, q, batch, default):
+def row_ints(name, x, q, batch, default):
     """cache_seqlens, cache_batch_idx or cache_leftpad as a list of `batch` ints: `default` for
     None, an int for every row, or a 1-D int32 tensor on q's device."""
     if x is None:
@@ -358,14 +361,15 @@ def _per_row(name, x, q, batch, default):
     return _seqlens(name, x, q, batch, "attention_with_kvcache")
 
 
-def kvcache_rows(q, k_cache, k_new, cache_seqlens, cache_batch_idx, cache_leftpad, page_table):
-    """Where each batch row's keys lie in a KV cache: a list of (cache index or page list, first
-    key, end of the keys, where k_new goes), checked, or a TypeError or ValueError naming the
+def kvcache_rows(q, k_cache, t_new, cache_seqlens, cache_batch_idx, cache_leftpad, page_table):
+    """Where each batch row's keys lie in a KV cache, row b bringing t_new[b] new keys: a list of
+    (cache index or page list, first key, end of the keys, where the new keys go), checked, or a
+    TypeError or ValueError naming the
     argument and its rule. Batch row b reads cache row cache_batch_idx[b] (default b): of k_cache,
     or of page_table, whose row lists the pages (FlashAttention 3's meaning with pages). Tk_max is
     k_cache's rows, or page_table's pages times the page size."""
-    B = q.shape[0]
-    index = _per_row("cache_batch_idx", cache_batch_idx, q, B, None)
+    B = len(t_new)
+    index = row_ints("cache_batch_idx", cache_batch_idx, q, B, None)
     if page_table is not None:
         if not isinstance(page_table, torch.Tensor) or page_table.dtype != torch.int32 or page_table.dim() != 2:
             got = ("%s of shape %s" % (page_table.dtype, tuple(page_table.shape)) if isinstance(page_table, torch.Tensor)
@@ -384,14 +388,13 @@ def kvcache_rows(q, k_cache, k_new, cache_seqlens, cache_batch_idx, cache_leftpa
         tk_max, cache_rows = page_table.shape[1] * k_cache.shape[1], page_table.shape[0]
     else:
         tk_max, cache_rows = k_cache.shape[1], k_cache.shape[0]
-    seqlens = _per_row("cache_seqlens", cache_seqlens, q, B, tk_max)
-    leftpad = _per_row("cache_leftpad", cache_leftpad, q, B, 0)
-    t_new = 0 if k_new is None else k_new.shape[1]
+    seqlens = row_ints("cache_seqlens", cache_seqlens, q, B, tk_max)
+    leftpad = row_ints("cache_leftpad", cache_leftpad, q, B, 0)
     rows = []
     for b in range(B):
-        if not 0 <= seqlens[b] <= tk_max - t_new:
+        if not 0 <= seqlens[b] <= tk_max - t_new[b]:
             raise ValueError("attention_with_kvcache: cache_seqlens[%d] must be in 0 .. %d (the cache's %d rows less "
-                             "the %d new keys), got %d" % (b, tk_max - t_new, tk_max, t_new, seqlens[b]))
+                             "the %d new keys), got %d" % (b, tk_max - t_new[b], tk_max, t_new[b], seqlens[b]))
         if not 0 <= leftpad[b] <= seqlens[b]:
             raise ValueError("attention_with_kvcache: cache_leftpad[%d] must be in 0 .. cache_seqlens[%d] (%d), got %d"
                              % (b, b, seqlens[b], leftpad[b]))
@@ -400,7 +403,7 @@ def kvcache_rows(q, k_cache, k_new, cache_seqlens, cache_batch_idx, cache_leftpa
             raise ValueError("attention_with_kvcache: %s (%d) must index the %d rows of %s"
                              % ("cache_batch_idx[%d]" % b if index[b] is not None else "batch row %d" % b, row,
                                 cache_rows, "page_table" if page_table is not None else "k_cache"))
-        rows.append((table[row] if page_table is not None else row, leftpad[b], seqlens[b] + t_new, seqlens[b]))
+        rows.append((table[row] if page_table is not None else row, leftpad[b], seqlens[b] + t_new[b], seqlens[b]))
     return rows
 
 
@@ -424,7 +427,7 @@ def write_cache(cache, where, start, new):
     cache[_cache_rows(cache, where, start, start + new.shape[0])] = new
 
 
-def rotary(q, k, rotary_cos, rotary_sin, interleaved, positions, rotary_seqlens, causal, window, tk_max):
+def rotary(q, k, rotary_cos, rotary_sin, interleaved, positions, rotary_seqlens, causal, window, tk_max, first_row=0):
     """q [B, Tq, Hq, D] and the new keys k [B, Tnew, Hkv, D] with flash_attn_with_kvcache's rotary
     embedding, or a TypeError or ValueError naming the argument: the first rotary_dim = 2
     rotary_cos.shape[1] channels of each row turned by the angles of row p of rotary_cos and
@@ -432,13 +435,14 @@ def rotary(q, k, rotary_cos, rotary_sin, interleaved, positions, rotary_seqlens,
     i + rotary_dim / 2) otherwise (GPT-NeoX's). Key s of batch row b takes p = start + s, start
     being rotary_seqlens[b] where given, else `positions[b]` (where the keys go in the cache);
     query s takes start + s too where the call is causal or local (a window side in 0 .. tk_max -
-    1), else start. Computed in wide_dtype, returned in the inputs' dtypes."""
+    1), else start. Computed in wide_dtype, returned in the inputs' dtypes. Messages count batch
+    rows from first_row (a call made row by row)."""
     entry = "attention_with_kvcache"
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("%s: rotary_cos and rotary_sin must be given together" % entry)
     if rotary_cos is None:   # rotary_seqlens alone turns nothing (FlashAttention 3's meaning); checked all the same
         if rotary_seqlens is not None:
-            _per_row("rotary_seqlens", rotary_seqlens, q, q.shape[0], 0)
+            row_ints("rotary_seqlens", rotary_seqlens, q, q.shape[0], 0)
         return q, k
     if k is None:
         raise ValueError("%s: rotary_cos and rotary_sin need the new keys k and v (they turn q and k as k is "
@@ -456,14 +460,14 @@ def rotary(q, k, rotary_cos, rotary_sin, interleaved, positions, rotary_seqlens,
     if not 1 <= 2 * half <= D:
         raise ValueError("%s: rotary_dim (twice rotary_cos.shape[1], %d) must be in 2 .. head_dim (%d)"
                          % (entry, 2 * half, D))
-    starts = positions if rotary_seqlens is None else _per_row("rotary_seqlens", rotary_seqlens, q, q.shape[0], 0)
+    starts = positions if rotary_seqlens is None else row_ints("rotary_seqlens", rotary_seqlens, q, q.shape[0], 0)
     per_query = causal or any(0 <= side < tk_max for side in window)
     Tq, Tnew = q.shape[1], k.shape[1]
     for b, start in enumerate(starts):
         reach = start + max(Tnew, Tq if per_query else 1)   # one past the last row of the angles used
         if start < 0 or reach > rotary_cos.shape[0]:
             raise ValueError("%s: batch row %d turns by rows %d .. %d of rotary_cos and rotary_sin, which have %d"
-                             % (entry, b, start, reach - 1, rotary_cos.shape[0]))
+                             % (entry, first_row + b, start, reach - 1, rotary_cos.shape[0]))
     start = torch.tensor(starts, dtype=torch.long, device=q.device).view(-1, 1)
     return (_turn(q, rotary_cos, rotary_sin, start + torch.arange(Tq, device=q.device) * per_query, interleaved),
             _turn(k, rotary_cos, rotary_sin, start + torch.arange(Tnew, device=q.device), interleaved))

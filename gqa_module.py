@@ -812,8 +812,9 @@ def attention_combine(outs, lses, out_dtype=None):
 
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=None, rotary_sin=None,
                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
-                           rotary_seqlens=None, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                           attention_chunk=0, alibi_slopes=None, rotary_interleaved=True, return_lse=False):
+                           cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None, rotary_seqlens=None,
+                           causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, attention_chunk=0,
+                           alibi_slopes=None, rotary_interleaved=True, return_lse=False):
     """Attention over a KV cache with flash_attn_with_kvcache's arguments and meanings
     (gqa_geometry.py): q [B, Tq, Hq, D]; k_cache and v_cache [B_cache, Tk_max, Hkv, D], or with
     page_table (int32 [B, pages]) pools [pages, page_size, Hkv, D]; k and v [B, Tnew, Hkv, D], if
@@ -822,6 +823,10 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
     rotary_cos and rotary_sin turn q and the new keys first (FlashAttention's rotary embedding,
     gqa_geometry.rotary: rotary_interleaved, and FlashAttention 3's rotary_seqlens). -> out [B, Tq,
     Hq, D], or (out, lse [B, Hq, Tq]). For inference: no gradients, as FlashAttention's.
+    FlashAttention 3's packed rows: with cu_seqlens_q (int32 [B + 1] offsets, max_seqlen_q at least
+    the longest), q is [total_q, Hq, D], batch row b its rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1]
+    - 1, and the output [total_q, Hq, D] (lse [Hq, total_q]; rows past the last offset 0 and -inf);
+    with cu_seqlens_k_new, k and v are [total_new, Hkv, D] the same way.
 
     This version makes one attention() call per batch row over that row's keys (on CUDA tensors
     the row-wise kernels where Tq != Tk), after reading the lengths to the host: correct, not yet
@@ -830,46 +835,84 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
 
     entry = "attention_with_kvcache"
     _require_tensors(q, k_cache, v_cache, entry)
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if x.dim() != 4:
-            raise ValueError("%s: %s must be 4-D, got shape %s" % (entry, name, tuple(x.shape)))
+    packed_q, packed_k = cu_seqlens_q is not None, cu_seqlens_k_new is not None
+    for name, x, dims in (("q", q, 3 if packed_q else 4), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4)):
+        if x.dim() != dims:
+            raise ValueError("%s: %s must be %d-D%s, got shape %s" % (entry, name, dims, " (with cu_seqlens_q)"
+                                                                      if name == "q" and packed_q else "", tuple(x.shape)))
     if k_cache.shape != v_cache.shape:
         raise ValueError("%s: k_cache and v_cache must have one shape, got %s and %s"
                          % (entry, tuple(k_cache.shape), tuple(v_cache.shape)))
     Hkv, D = k_cache.shape[2], k_cache.shape[3]
+    if packed_q:   # batch row b: q rows starts[b] .. starts[b + 1] - 1
+        starts = gqa_geometry.offsets("cu_seqlens_q", cu_seqlens_q, q, q.shape[0], "q", entry)
+        gqa_geometry.longest("max_seqlen_q", max_seqlen_q, [e - s for s, e in zip(starts, starts[1:])], entry)
+        q_rows = [q[s:e][None] for s, e in zip(starts, starts[1:])]
+    else:
+        q_rows = [q[b:b + 1] for b in range(q.shape[0])]
+    B = len(q_rows)
     if (k is None) != (v is None):
         raise ValueError("%s: k and v (the new keys and values) must be given together" % entry)
+    if packed_k and k is None:
+        raise ValueError("%s: cu_seqlens_k_new needs the new keys k and v" % entry)
+    new_rows = [None] * B
     if k is not None:
         _require_tensors(q, k, v, entry)
+        shape = "[total_new, Hkv (%d), head_dim (%d)]" % (Hkv, D) if packed_k else \
+            "[batch (%d), new keys, Hkv (%d), head_dim (%d)]" % (B, Hkv, D)
         for name, x in (("k", k), ("v", v)):
-            if x.dim() != 4 or x.shape[0] != q.shape[0] or x.shape[2:] != (Hkv, D) or x.shape != k.shape:
-                raise ValueError("%s: %s must be [batch (%d), new keys, Hkv (%d), head_dim (%d)] like k, got %s"
-                                 % (entry, name, q.shape[0], Hkv, D, tuple(x.shape)))
+            if x.dim() != (3 if packed_k else 4) or x.shape[-2:] != (Hkv, D) or x.shape != k.shape or \
+                    (not packed_k and x.shape[0] != B):
+                raise ValueError("%s: %s must be %s like k, got %s" % (entry, name, shape, tuple(x.shape)))
             if x.dtype != k_cache.dtype or x.device != k_cache.device:
                 raise ValueError("%s: %s must have k_cache's dtype and device (%s, %s), got %s, %s"
                                  % (entry, name, k_cache.dtype, k_cache.device, x.dtype, x.device))
-    rows = gqa_geometry.kvcache_rows(q, k_cache, k, cache_seqlens, cache_batch_idx, cache_leftpad, page_table)
+        if packed_k:
+            bounds = gqa_geometry.offsets("cu_seqlens_k_new", cu_seqlens_k_new, q, k.shape[0], "k", entry)
+            if len(bounds) != B + 1:
+                raise ValueError("%s: cu_seqlens_k_new must have batch + 1 = %d values, got %d"
+                                 % (entry, B + 1, len(bounds)))
+            new_rows = [(k[s:e], v[s:e]) for s, e in zip(bounds, bounds[1:])]
+        else:
+            new_rows = [(k[b], v[b]) for b in range(B)]
+    rows = gqa_geometry.kvcache_rows(q, k_cache, [0 if new is None else new[0].shape[0] for new in new_rows],
+                                     cache_seqlens, cache_batch_idx, cache_leftpad, page_table)
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                    attention_chunk=attention_chunk, return_lse=return_lse)
-    geo = gqa_geometry.arguments(q, q, **options)   # the options' rules, before the caches change
-    slopes = gqa_geometry.alibi_rows(alibi_slopes, q, q.shape[0], q.shape[2], entry)   # per batch row
+    q4 = q[None] if packed_q else q
+    geo = gqa_geometry.arguments(q4, q4, **options)   # the options' rules, before the caches change
+    slopes = gqa_geometry.alibi_rows(alibi_slopes, q, B, q.shape[-2], entry)   # per batch row
+    if rotary_seqlens is not None:
+        gqa_geometry.row_ints("rotary_seqlens", rotary_seqlens, q, B, 0)
     tk_max = k_cache.shape[1] * (page_table.shape[1] if page_table is not None else 1)
     with torch.no_grad():
-        q, k = gqa_geometry.rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved, [row[3] for row in rows],
-                                   rotary_seqlens, causal, (geo.left, geo.right), tk_max)
-        if k is not None:
-            for b, (where, _, _, start) in enumerate(rows):
-                gqa_geometry.write_cache(k_cache, where, start, k[b])
-                gqa_geometry.write_cache(v_cache, where, start, v[b])
-        results = [attention(q[b:b + 1], gqa_geometry.cache_keys(k_cache, where, first, end)[None],
+        turned = [gqa_geometry.rotary(q_rows[b], None if new_rows[b] is None else new_rows[b][0][None], rotary_cos,
+                                      rotary_sin, rotary_interleaved, [rows[b][3]],
+                                      None if rotary_seqlens is None else rotary_seqlens[b:b + 1], causal,
+                                      (geo.left, geo.right), tk_max, first_row=b) for b in range(B)]
+        for b, (where, _, _, start) in enumerate(rows):
+            if new_rows[b] is not None:
+                gqa_geometry.write_cache(k_cache, where, start, turned[b][1][0])
+                gqa_geometry.write_cache(v_cache, where, start, new_rows[b][1])
+        results = [attention(turned[b][0], gqa_geometry.cache_keys(k_cache, where, first, end)[None],
                              gqa_geometry.cache_keys(v_cache, where, first, end)[None], alibi_slopes=slopes[b],
                              **options)
                    for b, (where, first, end, _) in enumerate(rows)]
+    outs = [r[0] if return_lse else r for r in results]
+    lses = [r[1] for r in results] if return_lse else []
+    if packed_q:   # rows past the last offset: 0 and -inf, as attention_varlen's
+        rest = q.shape[0] - starts[-1]
+        out = torch.cat([o[0] for o in outs] + [q.new_zeros(rest, *q.shape[1:])], dim=0)
+        if not return_lse:
+            return out
+        lse_dtype = gqa_geometry.wide_dtype(q.dtype)
+        return out, torch.cat([l[0] for l in lses] + [torch.full((q.shape[1], rest), float("-inf"), dtype=lse_dtype,
+                                                                 device=q.device)], dim=1)
     if not return_lse:
-        return torch.cat(results, dim=0) if results else q.new_empty(q.shape)
-    if not results:
+        return torch.cat(outs, dim=0) if outs else q.new_empty(q.shape)
+    if not outs:
         return q.new_empty(q.shape), torch.empty(0, q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
-    return torch.cat([out for out, _ in results], dim=0), torch.cat([lse for _, lse in results], dim=0)
+    return torch.cat(outs, dim=0), torch.cat(lses, dim=0)
 # bundle: end general-entry
 
 

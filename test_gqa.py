@@ -768,7 +768,6 @@ def test_flash_attention_3_stand_in_maps_its_arguments():
                           (lambda: fa3.flash_attn_func(q.to(torch.float8_e4m3fn), k, v), "fp8"),
                           (lambda: fa3.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 20, 20, seqused_q=used),
                            "seqused_q"),
-                          (lambda: fa3.flash_attn_with_kvcache(q[0], k, v, cu_seqlens_q=cu), "kvcache \\(packed q"),
                           (lambda: fa3.flash_attn_combine(out[None], lse[None].transpose(-1, -2), out=out),
                            "combine into a given out")):
         with pytest.raises(pytest.skip.Exception, match="unsupported: " + feature):
@@ -1058,6 +1057,52 @@ def test_attention_with_kvcache_paged_equals_contiguous():
             for t in range(3):
                 position = n + t
                 assert torch.equal(pool_k[table[index[b], position // page_size], position % page_size], k_new[b, t])
+
+
+def test_attention_with_kvcache_packed_rows_equal_row_by_row_calls():
+    """FlashAttention 3's packed rows (cu_seqlens_q with max_seqlen_q, cu_seqlens_k_new): each
+    batch row's output, log-sum-exp and cache writes equal a call on that row alone (its own
+    query count and new keys, rotary and ALiBi included); q rows past the last offset give 0 and
+    -inf; the offsets' rules named before any cache is written."""
+    gen = torch.Generator().manual_seed(seed_of("packed kvcache"))
+    q, k_cache, v_cache, k_new, v_new, seqlens = kvcache_case(torch.float64, Tq=4, t_new=4)
+    lens_q, lens_new = [1, 4, 0, 2, 3, 4], [2, 4, 1, 0, 3, 1]
+    cu_q = torch.tensor([0] + list(itertools.accumulate(lens_q)), dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(itertools.accumulate(lens_new)), dtype=torch.int32)
+    q_packed = torch.cat([q[b, :n] for b, n in enumerate(lens_q)] + [torch.randn(2, 6, 23, generator=gen).double()])
+    k_packed, v_packed = (torch.cat([x[b, :n] for b, n in enumerate(lens_new)]) for x in (k_new, v_new))
+    seqlens = torch.tensor([0, 1, 63, 64, 65, 99], dtype=torch.int32)
+    extra = dict(rotary_cos=torch.rand(110, 4, generator=gen).double(), rotary_sin=torch.rand(110, 4, generator=gen).double(),
+                 alibi_slopes=torch.rand(6, 6, generator=gen).double(), causal=True, window_size=(50, -1))
+    caches = (k_cache.clone(), v_cache.clone())
+    out, lse = gqa_module.attention_with_kvcache(q_packed, *caches, k_packed, v_packed, cache_seqlens=seqlens,
+                                                 cu_seqlens_q=cu_q, cu_seqlens_k_new=cu_k, max_seqlen_q=4,
+                                                 return_lse=True, **extra)
+    assert out.shape == q_packed.shape and lse.shape == (6, q_packed.shape[0])
+    assert torch.all(out[-2:] == 0) and torch.all(torch.isneginf(lse[:, -2:]))
+    alone_caches = (k_cache.clone(), v_cache.clone())
+    for b in range(6):
+        a, e = int(cu_q[b]), int(cu_q[b + 1])
+        row = dict(extra, alibi_slopes=extra["alibi_slopes"][b])
+        got = gqa_module.attention_with_kvcache(q[b:b + 1, :lens_q[b]], *alone_caches, k_new[b:b + 1, :lens_new[b]],
+                                                v_new[b:b + 1, :lens_new[b]], cache_seqlens=seqlens[b:b + 1],
+                                                cache_batch_idx=torch.tensor([b], dtype=torch.int32), return_lse=True,
+                                                **row)
+        assert torch.equal(out[a:e], got[0][0]) and torch.equal(lse[:, a:e], got[1][0]), b
+    assert torch.equal(caches[0], alone_caches[0]) and torch.equal(caches[1], alone_caches[1])
+    before = k_cache.clone()
+    call = lambda **over: gqa_module.attention_with_kvcache(**{**dict(
+        q=q_packed, k_cache=k_cache, v_cache=v_cache, k=k_packed, v=v_packed, cache_seqlens=seqlens, cu_seqlens_q=cu_q,
+        cu_seqlens_k_new=cu_k, max_seqlen_q=4), **over})
+    for over, error, message in [(dict(max_seqlen_q=3), ValueError, r"max_seqlen_q \(3\) must be at least the longest"),
+                                 (dict(max_seqlen_q=None), TypeError, "max_seqlen_q must be an int"),
+                                 (dict(cu_seqlens_k_new=cu_k[:-1]), ValueError, "cu_seqlens_k_new must have batch \\+ 1 = 7"),
+                                 (dict(cu_seqlens_q=cu_q.long()), ValueError, "cu_seqlens_q must be a 1-D int32"),
+                                 (dict(q=q), ValueError, r"q must be 3-D \(with cu_seqlens_q\)"),
+                                 (dict(k=k_new, v=v_new), ValueError, r"k must be \[total_new, Hkv \(2\)")]:
+        with pytest.raises(error, match=message):
+            call(**over)
+        assert torch.equal(k_cache, before), over
 
 
 def test_attention_with_kvcache_rules_name_the_argument():

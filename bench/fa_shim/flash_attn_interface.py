@@ -3,9 +3,8 @@ entries, so that hopper/test_flash_attn.py runs against this library (bench/fa_s
 
 Each function takes FlashAttention 3's arguments. Its speed knobs (num_splits, pack_gqa,
 scheduler_metadata, sm_margin, deterministic) change nothing here; what the library does not
-compute (fp8, qv, fp8 descaling, seqused_q, a packed q over a KV cache,
-a combine into a given tensor) skips the test with "unsupported: <feature>", as the FlashAttention 2
-stand-in does."""
+compute (fp8, qv, fp8 descaling, seqused_q, a combine into a given tensor) skips the test with
+"unsupported: <feature>", as the FlashAttention 2 stand-in does."""
 import pytest
 
 import gqa_module
@@ -61,11 +60,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                             scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
                             return_softmax_lse=False):
     _refuse(q, qv, (q_descale, k_descale, v_descale))
-    if cu_seqlens_q is not None or cu_seqlens_k_new is not None:
-        _unsupported("kvcache (packed q or new keys)")
     return _served(lambda: gqa_module.attention_with_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
-        rotary_seqlens=rotary_seqlens, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+        rotary_seqlens=rotary_seqlens, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k_new=cu_seqlens_k_new,
+        max_seqlen_q=max_seqlen_q, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
         cache_leftpad=cache_leftpad, page_table=page_table, causal=causal, softmax_scale=softmax_scale,
         window_size=window_size, softcap=softcap, attention_chunk=attention_chunk, return_lse=return_softmax_lse))
 
