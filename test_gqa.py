@@ -1105,6 +1105,39 @@ def test_attention_with_kvcache_packed_rows_equal_row_by_row_calls():
         assert torch.equal(k_cache, before), over
 
 
+@needs_gpu
+def test_gpu_attention_with_kvcache_packed_rows_and_rotary_match_float64():
+    """On CUDA tensors (fp32): packed rows over a KV cache with the rotary embedding, against the
+    same call on float64 CPU tensors (outputs within 2e-5 of each row's largest value, caches
+    written alike); attention_chunk and alibi_slopes raise a NotImplementedError naming them."""
+    gen = torch.Generator().manual_seed(seed_of("gpu packed kvcache"))
+    q, k_cache, v_cache, k_new, v_new, seqlens = kvcache_case(torch.float32, Tq=4, t_new=4)
+    lens_q, lens_new = [1, 4, 0, 2, 3, 4], [2, 4, 1, 0, 3, 1]
+    cu_q = torch.tensor([0] + list(itertools.accumulate(lens_q)), dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(itertools.accumulate(lens_new)), dtype=torch.int32)
+    q_packed = torch.cat([q[b, :n] for b, n in enumerate(lens_q)])
+    k_packed, v_packed = (torch.cat([x[b, :n] for b, n in enumerate(lens_new)]) for x in (k_new, v_new))
+    seqlens = torch.tensor([0, 1, 63, 64, 65, 99], dtype=torch.int32)
+    cos, sin = torch.rand(110, 8, generator=gen), torch.rand(110, 8, generator=gen)
+    def run(device, dtype):
+        caches = [x.to(device, dtype) for x in (k_cache, v_cache)]
+        out = gqa_module.attention_with_kvcache(
+            q_packed.to(device, dtype), *caches, k_packed.to(device, dtype), v_packed.to(device, dtype),
+            cache_seqlens=seqlens.to(device), cu_seqlens_q=cu_q.to(device), cu_seqlens_k_new=cu_k.to(device),
+            max_seqlen_q=4, rotary_cos=cos.to(device, dtype), rotary_sin=sin.to(device, dtype), rotary_interleaved=False,
+            causal=True, window_size=(40, -1))
+        return out.cpu().double(), [x.cpu().double() for x in caches]
+    (got, got_caches), (exact, exact_caches) = run("cuda", torch.float32), run("cpu", torch.float64)
+    err = (got - exact).abs().amax(dim=-1)
+    assert torch.all(err <= 2e-5 * exact.abs().amax(dim=-1).clamp_min(1.0)), float(err.max())
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got_caches, exact_caches))
+    qc, kc, vc = (x[:1].cuda() for x in (q, k_cache, v_cache))
+    for kw, name in ((dict(attention_chunk=16), "attention_chunk=16"), (dict(alibi_slopes=torch.rand(6).cuda()),
+                                                                      "alibi_slopes")):
+        with pytest.raises(NotImplementedError, match=name):
+            gqa_module.attention(qc, kc, vc, causal=True, **kw)
+
+
 def test_attention_with_kvcache_rules_name_the_argument():
     """cache_seqlens within the cache less the new keys, cache_leftpad within cache_seqlens,
     cache_batch_idx within the cache (or the page table's rows), page_table int32 [rows, pages]
