@@ -50,15 +50,21 @@ def _is_real(x):
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+def _as_int(x):
+    """x as an int where it has __index__ and is no bool (FlashAttention takes a NumPy integer or
+    a 0-d integer tensor as an int), else None."""
+    try:
+        return None if isinstance(x, bool) else operator.index(x)
+    except TypeError:
+        return None
+
+
 def _window_side(name, side, x):
     """One side of window_size as an int >= -1 (None: -1, unbounded). Anything with __index__
     serves, as in FlashAttention (a NumPy integer, a 0-d integer tensor from torch.randint)."""
     if x is None:
         return -1
-    try:
-        value = None if isinstance(x, bool) else operator.index(x)
-    except TypeError:
-        value = None
+    value = _as_int(x)
     if value is None:
         raise TypeError("attention: window_size[%d] (%s) must be an int or None, got %s"
                         % (side, name, type(x).__name__))
@@ -97,12 +103,10 @@ def arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse, att
     right = _window_side("right", 1, window_size[1])   # checked even where causal sets it to 0
     if causal:
         right = 0
-    try:
-        chunk = None if isinstance(attention_chunk, bool) else operator.index(attention_chunk)
-    except TypeError:
-        chunk = None
+    chunk = _as_int(attention_chunk)
     if chunk is None:
-        raise TypeError("attention: attention_chunk must be an int (0 for none), got %s" % type(attention_chunk).__name__)
+        raise TypeError("attention: attention_chunk must be an int (0 for none), got %s"
+                        % type(attention_chunk).__name__)
     if chunk < 0:
         raise ValueError("attention: attention_chunk must be >= 0 (0 for none), got %d" % chunk)
     Tq, Tk = q.shape[1], k.shape[1]
@@ -311,19 +315,18 @@ def varlen_sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 
 def longest(name, given, lens, entry="attention_varlen"):
     """max_seqlen_q or max_seqlen_k checked: an int, at least the longest of `lens`."""
-    try:
-        value = None if isinstance(given, bool) else operator.index(given)
-    except TypeError:
-        value = None
+    value = _as_int(given)
     if value is None:
         raise TypeError("%s: %s must be an int, got %s" % (entry, name, type(given).__name__))
     if value < max(lens, default=0):
-        raise ValueError("%s: %s (%d) must be at least the longest sequence (%d)" % (entry, name, value, max(lens, default=0)))
+        raise ValueError("%s: %s (%d) must be at least the longest sequence (%d)"
+                         % (entry, name, value, max(lens, default=0)))
 
 
 def per_sequence(run, q, k, v, seqs, return_lse):
     """A packed call assembled from one call per sequence: run(b, q_b, k_b, v_b) on sequence b's
-    [1, T, H, D] slices gives (out [1, Tq, Hq, D], lse [1, Hq, Tq] or None); -> out [total_q, Hq, D], and lse
+    [1, T, H, D] slices gives (out [1, Tq, Hq, D], lse [1, Hq, Tq] or None); -> out [total_q, Hq,
+    D], and lse
     [Hq, total_q] with return_lse. Rows past the last sequence: output 0, log-sum-exp -inf.
     Differentiable where run is."""
     total_q, Hq, D = q.shape
