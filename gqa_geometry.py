@@ -326,9 +326,8 @@ def longest(name, given, lens, entry="attention_varlen"):
 def per_sequence(run, q, k, v, seqs, return_lse):
     """A packed call assembled from one call per sequence: run(b, q_b, k_b, v_b) on sequence b's
     [1, T, H, D] slices gives (out [1, Tq, Hq, D], lse [1, Hq, Tq] or None); -> out [total_q, Hq,
-    D], and lse
-    [Hq, total_q] with return_lse. Rows past the last sequence: output 0, log-sum-exp -inf.
-    Differentiable where run is."""
+    D], and lse [Hq, total_q] with return_lse. Rows past the last sequence: output 0, log-sum-exp
+    -inf. Differentiable where run is."""
     total_q, Hq, D = q.shape
     lse_dtype = wide_dtype(q.dtype)
     outs, lses, row = [], [], 0
@@ -367,8 +366,7 @@ def row_ints(name, x, q, batch, default):
 def kvcache_rows(q, k_cache, t_new, cache_seqlens, cache_batch_idx, cache_leftpad, page_table):
     """Where each batch row's keys lie in a KV cache, row b bringing t_new[b] new keys: a list of
     (cache index or page list, first key, end of the keys, where the new keys go), checked, or a
-    TypeError or ValueError naming the
-    argument and its rule. Batch row b reads cache row cache_batch_idx[b] (default b): of k_cache,
+    TypeError or ValueError naming the argument and its rule. Batch row b reads cache row cache_batch_idx[b] (default b): of k_cache,
     or of page_table, whose row lists the pages (FlashAttention 3's meaning with pages). Tk_max is
     k_cache's rows, or page_table's pages times the page size."""
     B = len(t_new)
@@ -430,22 +428,19 @@ def write_cache(cache, where, start, new):
     cache[_cache_rows(cache, where, start, start + new.shape[0])] = new
 
 
-def rotary(q, k, rotary_cos, rotary_sin, interleaved, positions, rotary_seqlens, causal, window, tk_max, first_row=0):
-    """q [B, Tq, Hq, D] and the new keys k [B, Tnew, Hkv, D] with flash_attn_with_kvcache's rotary
-    embedding, or a TypeError or ValueError naming the argument: the first rotary_dim = 2
-    rotary_cos.shape[1] channels of each row turned by the angles of row p of rotary_cos and
-    rotary_sin ([rows, rotary_dim / 2]), pairing channels (2i, 2i + 1) where interleaved and (i,
-    i + rotary_dim / 2) otherwise (GPT-NeoX's). Key s of batch row b takes p = start + s, start
-    being rotary_seqlens[b] where given, else `positions[b]` (where the keys go in the cache);
-    query s takes start + s too where the call is causal or local (a window side in 0 .. tk_max -
-    1), else start. Computed in wide_dtype, returned in the inputs' dtypes. Messages count batch
-    rows from first_row (a call made row by row)."""
+def rotary(q, k, rotary_cos, rotary_sin, interleaved, start, causal, window, tk_max, first_row=0):
+    """One batch row's q [1, Tq, Hq, D] and new keys k [1, Tnew, Hkv, D] with
+    flash_attn_with_kvcache's rotary embedding, or a TypeError or ValueError naming the argument:
+    the first rotary_dim = 2 rotary_cos.shape[1] channels of each row turned by the angles of row p
+    of rotary_cos and rotary_sin ([rows, rotary_dim / 2]), pairing channels (2i, 2i + 1) where
+    interleaved and (i, i + rotary_dim / 2) otherwise (GPT-NeoX's). Key s takes p = start + s
+    (start: rotary_seqlens' value for the row, or where its keys go in the cache); query s takes
+    start + s too where the call is causal or local (a window side in 0 .. tk_max - 1), else start.
+    Computed in wide_dtype, returned in the inputs' dtypes. Messages name the row first_row."""
     entry = "attention_with_kvcache"
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("%s: rotary_cos and rotary_sin must be given together" % entry)
-    if rotary_cos is None:   # rotary_seqlens alone turns nothing (FlashAttention 3's meaning); checked all the same
-        if rotary_seqlens is not None:
-            row_ints("rotary_seqlens", rotary_seqlens, q, q.shape[0], 0)
+    if rotary_cos is None:
         return q, k
     if k is None:
         raise ValueError("%s: rotary_cos and rotary_sin need the new keys k and v (they turn q and k as k is "
@@ -463,17 +458,15 @@ def rotary(q, k, rotary_cos, rotary_sin, interleaved, positions, rotary_seqlens,
     if not 1 <= 2 * half <= D:
         raise ValueError("%s: rotary_dim (twice rotary_cos.shape[1], %d) must be in 2 .. head_dim (%d)"
                          % (entry, 2 * half, D))
-    starts = positions if rotary_seqlens is None else row_ints("rotary_seqlens", rotary_seqlens, q, q.shape[0], 0)
     per_query = causal or any(0 <= side < tk_max for side in window)
     Tq, Tnew = q.shape[1], k.shape[1]
-    for b, start in enumerate(starts):
-        reach = start + max(Tnew, Tq if per_query else 1)   # one past the last row of the angles used
-        if start < 0 or reach > rotary_cos.shape[0]:
-            raise ValueError("%s: batch row %d turns by rows %d .. %d of rotary_cos and rotary_sin, which have %d"
-                             % (entry, first_row + b, start, reach - 1, rotary_cos.shape[0]))
-    start = torch.tensor(starts, dtype=torch.long, device=q.device).view(-1, 1)
-    return (_turn(q, rotary_cos, rotary_sin, start + torch.arange(Tq, device=q.device) * per_query, interleaved),
-            _turn(k, rotary_cos, rotary_sin, start + torch.arange(Tnew, device=q.device), interleaved))
+    reach = start + max(Tnew, Tq if per_query else 1)   # one past the last row of the angles used
+    if start < 0 or reach > rotary_cos.shape[0]:
+        raise ValueError("%s: batch row %d turns by rows %d .. %d of rotary_cos and rotary_sin, which have %d"
+                         % (entry, first_row, start, reach - 1, rotary_cos.shape[0]))
+    rows_q = (start + torch.arange(Tq, device=q.device) * per_query)[None]
+    rows_k = (start + torch.arange(Tnew, device=q.device))[None]
+    return _turn(q, rotary_cos, rotary_sin, rows_q, interleaved), _turn(k, rotary_cos, rotary_sin, rows_k, interleaved)
 
 
 def _turn(x, cos, sin, rows, interleaved):

@@ -882,14 +882,15 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
     q4 = q[None] if packed_q else q
     geo = gqa_geometry.arguments(q4, q4, **options)   # the options' rules, before the caches change
     slopes = gqa_geometry.alibi_rows(alibi_slopes, q, B, q.shape[-2], entry)   # per batch row
-    if rotary_seqlens is not None:
+    # Where each row's angles start: rotary_seqlens (read once; alone, without rotary_cos, it turns
+    # nothing, as in FlashAttention 3, but is checked all the same), else where its new keys go.
+    angle_starts = [row[3] for row in rows] if rotary_seqlens is None else \
         gqa_geometry.row_ints("rotary_seqlens", rotary_seqlens, q, B, 0)
     tk_max = k_cache.shape[1] * (page_table.shape[1] if page_table is not None else 1)
     with torch.no_grad():
         turned = [gqa_geometry.rotary(q_rows[b], None if new_rows[b] is None else new_rows[b][0][None], rotary_cos,
-                                      rotary_sin, rotary_interleaved, [rows[b][3]],
-                                      None if rotary_seqlens is None else rotary_seqlens[b:b + 1], causal,
-                                      (geo.left, geo.right), tk_max, first_row=b) for b in range(B)]
+                                      rotary_sin, rotary_interleaved, angle_starts[b], causal, (geo.left, geo.right),
+                                      tk_max, first_row=b) for b in range(B)]
         for b, (where, _, _, start) in enumerate(rows):
             if new_rows[b] is not None:
                 gqa_geometry.write_cache(k_cache, where, start, turned[b][1][0])
