@@ -366,9 +366,10 @@ def row_ints(name, x, q, batch, default):
 def kvcache_rows(q, k_cache, t_new, cache_seqlens, cache_batch_idx, cache_leftpad, page_table):
     """Where each batch row's keys lie in a KV cache, row b bringing t_new[b] new keys: a list of
     (cache index or page list, first key, end of the keys, where the new keys go), checked, or a
-    TypeError or ValueError naming the argument and its rule. Batch row b reads cache row cache_batch_idx[b] (default b): of k_cache,
-    or of page_table, whose row lists the pages (FlashAttention 3's meaning with pages). Tk_max is
-    k_cache's rows, or page_table's pages times the page size."""
+    TypeError or ValueError naming the argument and its rule. Batch row b reads cache row
+    cache_batch_idx[b] (default b): of k_cache, or of page_table, whose row lists the pages
+    (FlashAttention 3's meaning with pages). Tk_max is k_cache's rows, or page_table's pages times
+    the page size."""
     B = len(t_new)
     index = row_ints("cache_batch_idx", cache_batch_idx, q, B, None)
     if page_table is not None:
