@@ -21,6 +21,11 @@ formed, their rules (one copy, here), and the PyTorch implementation that CPU te
   of those where seqused_k is given), every rule above applying within each sequence. Rows of q
   past cu_seqlens_q[-1] belong to no sequence: output 0 and log-sum-exp -inf. The log-sum-exp of
   a packed call is [Hq, total_q].
+- float8 inputs (FlashAttention 3's): q, k and v all float8_e4m3fn (or all float8_e5m2), with
+  optional float32 q_descale, k_descale and v_descale [B, Hkv] (None: 1). Each is widened to
+  bfloat16 as its descale times its value (q's head h taking kv head h // (Hq // Hkv)'s), the
+  attention runs in bfloat16, and the output is bfloat16. For packed sequences B counts the
+  sequences; for a KV cache, the batch rows of q.
 - A KV cache (attention_with_kvcache, flash_attn_with_kvcache's conventions): batch row b of q
   [B, Tq, Hq, D] attends cache rows cache_leftpad[b] .. cache_seqlens[b] + Tnew - 1 of its cache
   (row c = cache_batch_idx[b], default b, of k_cache [B_cache, Tk_max, Hkv, D], or the pages
@@ -38,6 +43,64 @@ import torch
 def wide_dtype(dtype):
     """The type that sums, merges and log-sum-exps run in: float64 for float64, float32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+FLOAT8 = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name))
+
+
+def out_dtype(dtype):
+    """The output dtype of inputs of `dtype`: bfloat16 for float8 (FlashAttention 3's), else the same."""
+    return torch.bfloat16 if dtype in FLOAT8 else dtype
+
+
+def check_descale(name, d, batch, Hkv, q, entry):
+    """A float8 descale's rule: None, or a float32 tensor [batch, Hkv] on q's device."""
+    if d is None:
+        return
+    if not isinstance(d, torch.Tensor):
+        raise TypeError("%s: %s must be a torch.Tensor (float32) or None, got %s" % (entry, name, type(d).__name__))
+    if d.dtype != torch.float32 or tuple(d.shape) != (batch, Hkv):
+        raise ValueError("%s: %s must be float32 of shape (batch, Hkv) = (%d, %d), got %s of shape %s"
+                         % (entry, name, batch, Hkv, d.dtype, tuple(d.shape)))
+    if d.device != q.device:
+        raise ValueError("%s: %s must be on q's device %s, got %s" % (entry, name, q.device, d.device))
+
+
+def widen_float8(q, k, v, descales, entry, packed=None):
+    """q, k and v as the call computes them: float8 inputs widened to bfloat16 by their descales
+    (q_descale, k_descale, v_descale: None or float32 [batch, Hkv] on q's device), other inputs as
+    they are. 4-D [B, T, H, D] tensors (batch B), or packed [total, H, D] ones with packed =
+    (batch, the batch index of each q row, of each k row; int64 tensors on q's device). A
+    ValueError or TypeError names a descale that breaks its rule, a descale given beside inputs
+    that are not float8, or inputs that are not all float8; tensors of the wrong rank are returned
+    as they are, for the tensor rules to name."""
+    names = ("q_descale", "k_descale", "v_descale")
+    if not any(isinstance(x, torch.Tensor) and x.dtype in FLOAT8 for x in (q, k, v)):
+        for name, d in zip(names, descales):
+            if d is not None:
+                raise ValueError("%s: %s applies to float8 inputs (float8_e4m3fn or float8_e5m2), got q of dtype %s"
+                                 % (entry, name, q.dtype))
+        return q, k, v
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError("%s: q, k and v must share one dtype, got q %s, k %s, v %s" % (entry, q.dtype, k.dtype, v.dtype))
+    dims = 4 if packed is None else 3
+    if q.dim() != dims or k.dim() != dims or v.shape != k.shape or k.shape[-2] < 1 or q.shape[-2] % k.shape[-2]:
+        return q, k, v
+    batch = q.shape[0] if packed is None else packed[0]
+    Hq, Hkv = q.shape[-2], k.shape[-2]
+    wide = []
+    for i, (x, d, name) in enumerate(zip((q, k, v), descales, names)):
+        if d is None:
+            wide.append(x.to(torch.bfloat16))
+            continue
+        check_descale(name, d, batch, Hkv, q, entry)
+        per_head = d.repeat_interleave(Hq // Hkv if i == 0 else 1, dim=1)   # [batch, heads of x]
+        if packed is None:
+            factor = per_head[:, None, :, None]
+        else:   # rows of no sequence take row 0's (their outputs are 0 whatever they hold)
+            factor = per_head[packed[1 if i == 0 else 2].clamp(0, max(batch - 1, 0))][:, :, None] if batch else 1.0
+        wide.append((x.float() * factor).to(torch.bfloat16))
+    return tuple(wide)
 
 
 # chunk: FlashAttention 3's attention_chunk (0: none); alibi: [1 or B, Hq] slopes, or None
@@ -245,8 +308,9 @@ def takes_causal_kernels(geo, D):
 
 
 def cuda_gap(geo, D):
-    """What the call asks for that the CUDA kernels of this version do not run, in words, or None
-    (the row-wise kernels take every geometry and scale, and the log-sum-exp)."""
+    """What the call asks for that no CUDA kernel of this version computes, in words, or None (the
+    row-wise kernels take every geometry and scale, and the log-sum-exp): attention() runs such a
+    call on the GPU through attention_torch."""
     if geo.softcap > 0:
         return "softcap=%r" % geo.softcap
     if geo.chunk > 0:
@@ -288,11 +352,12 @@ def offsets(name, x, q, total, tensor_name, entry="attention_varlen"):
     return values
 
 
-def varlen_sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None):
+def varlen_sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=None, seqused_q=None):
     """The sequences of a packed call (q [total_q, Hq, D], k [total_k, Hkv, D]) as Sequence
     tuples, or a TypeError or ValueError naming the argument and its rule. max_seqlen_q and
     max_seqlen_k must be at least the longest sequence (FlashAttention sizes its grid by them; a
-    smaller one would leave rows unwritten there)."""
+    smaller one would leave rows unwritten there); seqused_q and seqused_k, where given, shorten
+    each sequence to its first queries and keys."""
     starts_q = offsets("cu_seqlens_q", cu_seqlens_q, q, q.shape[0], "q")
     starts_k = offsets("cu_seqlens_k", cu_seqlens_k, q, k.shape[0], "k")
     if len(starts_q) != len(starts_k):
@@ -301,16 +366,31 @@ def varlen_sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     batch = len(starts_q) - 1
     lens_q = [starts_q[b + 1] - starts_q[b] for b in range(batch)]
     lens_k = [starts_k[b + 1] - starts_k[b] for b in range(batch)]
-    if seqused_k is not None:
-        used = _seqlens("seqused_k", seqused_k, q, batch)
+    def used(name, x, lens, side):
+        if x is None:
+            return lens
+        values = _seqlens(name, x, q, batch)
         for b in range(batch):
-            if not 0 <= used[b] <= lens_k[b]:
-                raise ValueError("attention_varlen: seqused_k[%d] must be in 0 .. %d (that sequence's keys in "
-                                 "cu_seqlens_k), got %d" % (b, lens_k[b], used[b]))
-        lens_k = used
+            if not 0 <= values[b] <= lens[b]:
+                raise ValueError("attention_varlen: %s[%d] must be in 0 .. %d (that sequence's %s in cu_seqlens_%s), "
+                                 "got %d" % (name, b, lens[b], "queries" if side == "q" else "keys", side, values[b]))
+        return values
+    lens_q, lens_k = used("seqused_q", seqused_q, lens_q, "q"), used("seqused_k", seqused_k, lens_k, "k")
     longest("max_seqlen_q", max_seqlen_q, lens_q)
     longest("max_seqlen_k", max_seqlen_k, lens_k)
     return [Sequence(starts_q[b], lens_q[b], starts_k[b], lens_k[b]) for b in range(batch)]
+
+
+def rows_batch(seqs, q, k):
+    """widen_float8's `packed` for a packed call: (batch, the sequence of each q row, of each k
+    row) as int64 tensors on q's device (a row between sequences counts as the next one's); the
+    row indices only where q is float8."""
+    if q.dtype not in FLOAT8:
+        return len(seqs), None, None
+    def owners(starts, total):
+        bounds = torch.tensor(starts[1:], dtype=torch.int64, device=q.device)
+        return torch.bucketize(torch.arange(total, device=q.device), bounds, right=True)
+    return len(seqs), owners([s.q0 for s in seqs], q.shape[0]), owners([s.k0 for s in seqs], k.shape[0])
 
 
 def longest(name, given, lens, entry="attention_varlen"):
@@ -327,7 +407,7 @@ def per_sequence(run, q, k, v, seqs, return_lse):
     """A packed call assembled from one call per sequence: run(b, q_b, k_b, v_b) on sequence b's
     [1, T, H, D] slices gives (out [1, Tq, Hq, D], lse [1, Hq, Tq] or None); -> out [total_q, Hq,
     D], and lse [Hq, total_q] with return_lse. Rows past the last sequence: output 0, log-sum-exp
-    -inf. Differentiable where run is."""
+    -inf; so are the rows of a sequence past its Tq (seqused_q). Differentiable where run is."""
     total_q, Hq, D = q.shape
     lse_dtype = wide_dtype(q.dtype)
     outs, lses, row = [], [], 0
@@ -337,6 +417,8 @@ def per_sequence(run, q, k, v, seqs, return_lse):
     for b, seq in enumerate(seqs):   # cu_seqlens_q's sequences lie one after another from row 0
         if seq.Tq == 0:
             continue
+        if seq.q0 > row:   # the unused rows of the sequences before
+            gap(seq.q0 - row)
         keys = slice(seq.k0, seq.k0 + seq.Tk)
         out, lse = run(b, q[seq.q0:seq.q0 + seq.Tq].unsqueeze(0), k[keys].unsqueeze(0), v[keys].unsqueeze(0))
         outs.append(out[0])

@@ -733,30 +733,33 @@ def causal_gqa_attention(q, k, v):
 
 # bundle: begin general-entry
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, attention_chunk=0,
-              alibi_slopes=None, return_lse=False):
+              alibi_slopes=None, return_lse=False, q_descale=None, k_descale=None, v_descale=None):
     """Attention with FlashAttention's arguments and meanings (gqa_geometry.py states them): q
     [B, Tq, Hq, D], k and v [B, Tk, Hkv, D] -> out [B, Tq, Hq, D] in q's dtype, or (out, lse [B,
-    Hq, Tq]) with return_lse=True. causal defaults to False, as flash_attn_func's does.
+    Hq, Tq]) with return_lse=True. causal defaults to False, as flash_attn_func's does. float8
+    inputs (FlashAttention 3's, with q_descale, k_descale and v_descale) are widened to bfloat16 by
+    their descales and give a bfloat16 output (gqa_geometry.widen_float8).
 
     CPU tensors run every option through PyTorch (differentiable, the log-sum-exp too). CUDA
     tensors run the kernels of causal_gqa_attention for causal attention with Tq = Tk (causal=True,
     or a window that equals it), the default softmax_scale (within float32 rounding) and no
     log-sum-exp output; every other option but softcap, attention_chunk (FlashAttention 3's
     chunked attention) and alibi_slopes (FlashAttention 2's ALiBi) runs the row-wise kernels of any
-    geometry (slower; the log-sum-exp not differentiable there); those three raise a
-    NotImplementedError naming them."""
+    geometry (slower; the log-sum-exp not differentiable there). No kernel computes those three
+    yet: a CUDA call with any of them runs the CPU path's PyTorch code on the GPU (correct and
+    differentiable, but unfused: it holds a kv head's [B, group, Tq, Tk] scores in float32 at a
+    time, and every head's for the backward)."""
     import gqa_geometry
 
     _require_tensors(q, k, v, "attention")
+    q, k, v = gqa_geometry.widen_float8(q, k, v, (q_descale, k_descale, v_descale), "attention")
     if _on_cuda(q, k, v):
         if q.dim() == 4 and k.dim() == 4:
             geo = gqa_geometry.arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse, attention_chunk,
                                          alibi_slopes)
-            gap = gqa_geometry.cuda_gap(geo, q.shape[3])
-            if gap:
-                raise NotImplementedError(
-                    "attention: on CUDA tensors this version runs every option but softcap, attention_chunk and "
-                    "alibi_slopes; this call asks for %s. CPU tensors run every option." % gap)
+            if gqa_geometry.cuda_gap(geo, q.shape[3]):
+                load_cpu_library().check_inputs.default(q, k, v, "attention", False)
+                return _attention_through_pytorch(q, k, v, geo)
             if not gqa_geometry.takes_causal_kernels(geo, q.shape[3]):
                 ops = _OPS if _OPS is not None else load_extension(first_call=(q, k, v))
                 out, lse = ops.attention_rows(q, k, v, geo.left, geo.right, geo.scale)
@@ -765,17 +768,26 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     load_cpu_library().check_inputs.default(q, k, v, "attention", False)
     geo = gqa_geometry.arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse, attention_chunk,
                                  alibi_slopes)
+    return _attention_through_pytorch(q, k, v, geo)
+
+
+def _attention_through_pytorch(q, k, v, geo):
+    """attention() through gqa_geometry.attention_torch, on any device (q, k and v checked)."""
+    import gqa_geometry
+
     out, lse = gqa_geometry.attention_torch(q, k, v, geo)
-    return (out, lse) if return_lse else out
+    return (out, lse) if geo.return_lse else out
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      softmax_scale=None, window_size=(-1, -1), softcap=0.0, attention_chunk=0, alibi_slopes=None,
-                     seqused_k=None, return_lse=False):
+                     seqused_k=None, return_lse=False, seqused_q=None, q_descale=None, k_descale=None, v_descale=None):
     """Packed sequences with flash_attn_varlen_func's arguments and meanings (gqa_geometry.py):
     q [total_q, Hq, D], k and v [total_k, Hkv, D], int32 cu_seqlens_q and cu_seqlens_k of batch + 1
-    offsets, optional int32 seqused_k -> out [total_q, Hq, D], or (out, lse [Hq, total_q]). Every
-    option of attention() applies within each sequence (causal aligned bottom-right per sequence).
+    offsets, optional int32 seqused_q and seqused_k (FlashAttention 3's: the first seqused_q[b]
+    queries and seqused_k[b] keys of sequence b are its sequence; its other query rows give 0) ->
+    out [total_q, Hq, D], or (out, lse [Hq, total_q]). Every option of attention() applies within
+    each sequence (causal aligned bottom-right per sequence); float8 descales are [batch, Hkv].
 
     This version runs one attention() call per sequence (on CUDA tensors, attention()'s kernels,
     the row-wise ones where a sequence is not causal with Tq = Tk), after reading the offsets to
@@ -787,9 +799,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         if x.dim() != 3:
             raise ValueError("attention_varlen: %s must be 3-D (total, heads, head_dim), got shape %s"
                              % (name, tuple(x.shape)))
+    seqs = gqa_geometry.varlen_sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+                                         seqused_q)
+    q, k, v = gqa_geometry.widen_float8(q, k, v, (q_descale, k_descale, v_descale), "attention_varlen",
+                                        packed=gqa_geometry.rows_batch(seqs, q, k))
     if not _on_cuda(q, k, v):
         load_cpu_library().check_inputs.default(q[None], k[None], v[None], "attention_varlen", False)
-    seqs = gqa_geometry.varlen_sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k)
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                    attention_chunk=attention_chunk)
     gqa_geometry.arguments(q[None], k[None], return_lse=return_lse, **options)   # the options' rules, once
@@ -814,7 +829,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
                            cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None, rotary_seqlens=None,
                            causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, attention_chunk=0,
-                           alibi_slopes=None, rotary_interleaved=True, return_lse=False):
+                           alibi_slopes=None, rotary_interleaved=True, return_lse=False, q_descale=None,
+                           k_descale=None, v_descale=None):
     """Attention over a KV cache with flash_attn_with_kvcache's arguments and meanings
     (gqa_geometry.py): q [B, Tq, Hq, D]; k_cache and v_cache [B_cache, Tk_max, Hkv, D], or with
     page_table (int32 [B, pages]) pools [pages, page_size, Hkv, D]; k and v [B, Tnew, Hkv, D], if
@@ -826,7 +842,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
     FlashAttention 3's packed rows: with cu_seqlens_q (int32 [B + 1] offsets, max_seqlen_q at least
     the longest), q is [total_q, Hq, D], batch row b its rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1]
     - 1, and the output [total_q, Hq, D] (lse [Hq, total_q]; rows past the last offset 0 and -inf);
-    with cu_seqlens_k_new, k and v are [total_new, Hkv, D] the same way.
+    with cu_seqlens_k_new, k and v are [total_new, Hkv, D] the same way. float8 caches and q take
+    descales [B, Hkv] as attention() does, batch row b its row b's.
 
     This version makes one attention() call per batch row over that row's keys (on CUDA tensors
     the row-wise kernels where Tq != Tk), after reading the lengths to the host: correct, not yet
@@ -877,6 +894,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
             new_rows = [(k[b], v[b]) for b in range(B)]
     rows = gqa_geometry.kvcache_rows(q, k_cache, [0 if new is None else new[0].shape[0] for new in new_rows],
                                      cache_seqlens, cache_batch_idx, cache_leftpad, page_table)
+    descales = (q_descale, k_descale, v_descale)
+    for name, d in zip(("q_descale", "k_descale", "v_descale"), descales):
+        gqa_geometry.check_descale(name, d, B, Hkv, q, entry)
+    row_descales = [dict(zip(("q_descale", "k_descale", "v_descale"), (None if d is None else d[b:b + 1]
+                                                                       for d in descales))) for b in range(B)]
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                    attention_chunk=attention_chunk, return_lse=return_lse)
     q4 = q[None] if packed_q else q
@@ -897,22 +919,24 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
                 gqa_geometry.write_cache(v_cache, where, start, new_rows[b][1])
         results = [attention(turned[b][0], gqa_geometry.cache_keys(k_cache, where, first, end)[None],
                              gqa_geometry.cache_keys(v_cache, where, first, end)[None], alibi_slopes=slopes[b],
-                             **options)
+                             **row_descales[b], **options)
                    for b, (where, first, end, _) in enumerate(rows)]
     outs = [r[0] if return_lse else r for r in results]
     lses = [r[1] for r in results] if return_lse else []
+    out_dtype = gqa_geometry.out_dtype(q.dtype)
     if packed_q:   # rows past the last offset: 0 and -inf, as attention_varlen's
         rest = q.shape[0] - starts[-1]
-        out = torch.cat([o[0] for o in outs] + [q.new_zeros(rest, *q.shape[1:])], dim=0)
+        out = torch.cat([o[0] for o in outs] + [q.new_zeros(rest, *q.shape[1:], dtype=out_dtype)], dim=0)
         if not return_lse:
             return out
         lse_dtype = gqa_geometry.wide_dtype(q.dtype)
         return out, torch.cat([l[0] for l in lses] + [torch.full((q.shape[1], rest), float("-inf"), dtype=lse_dtype,
                                                                  device=q.device)], dim=1)
     if not return_lse:
-        return torch.cat(outs, dim=0) if outs else q.new_empty(q.shape)
+        return torch.cat(outs, dim=0) if outs else q.new_empty(q.shape, dtype=out_dtype)
     if not outs:
-        return q.new_empty(q.shape), torch.empty(0, q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
+        return q.new_empty(q.shape, dtype=out_dtype), torch.empty(0, q.shape[2], q.shape[1], dtype=torch.float32,
+                                                                  device=q.device)
     return torch.cat(outs, dim=0), torch.cat(lses, dim=0)
 # bundle: end general-entry
 

@@ -15,8 +15,7 @@ cache's unfilled slots after them, a sliding window inside), run row by row thro
 `gqa_module.attention`; or sequences packed into one row by position_ids (transformers'
 padding-free collator), run through `gqa_module.attention_varlen`, as are the cu_seq_lens offsets
 that collator passes with return_flash_attn_kwargs (with no mask, or the same packing's). Any
-other mask, dropout, or an option the tensors' device does not run (softcap on CUDA) is never
-served silently: by default it raises a ValueError naming what the library does not support; with
+other mask or dropout is never served silently: by default it raises a ValueError naming what the library does not support; with
 `fallback="sdpa"` that call runs transformers' SDPA attention instead, and the first call of each
 kind says so on stderr. The checks read the mask on the host, so under torch.compile a masked
 call takes the fallback (or a graph break).
@@ -48,8 +47,6 @@ def _unsupported(module, query, key, value, attention_mask, dropout, scaling, sl
         reasons.append("more queries (%d) than keys (%d)" % (Tq, Tk))
     if dropout:
         reasons.append("attention dropout (%g)" % dropout)
-    if query.is_cuda and softcap:
-        reasons.append("a soft cap on the scores (%g) on CUDA tensors" % softcap)
     if kwargs.get("output_attentions"):
         reasons.append("output_attentions")
     if kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None:

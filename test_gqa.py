@@ -764,10 +764,13 @@ def test_flash_attention_3_stand_in_maps_its_arguments():
     combined, combined_lse = fa3.flash_attn_combine(outs, lses.transpose(-1, -2), out_dtype=torch.float64)
     expect_out, expect_lse = gqa_module.attention_combine(outs, lses, out_dtype=torch.float64)
     assert torch.equal(combined, expect_out) and torch.equal(combined_lse, expect_lse.transpose(-1, -2))
+    # float8 with descales, and seqused_q, passed on
+    f8 = [x.to(torch.float8_e4m3fn) for x in (q, k, v)]
+    descales = dict(zip(("q_descale", "k_descale", "v_descale"), torch.rand(3, 2, 2).unbind(0)))
+    assert torch.equal(fa3.flash_attn_func(*f8, **descales, **kw), gqa_module.attention(*f8, **descales, **kw))
+    assert torch.equal(fa3.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 20, 20, seqused_q=used, **kw),
+                       gqa_module.attention_varlen(q[0], k[0], v[0], cu, cu, 20, 20, seqused_q=used, **kw))
     for call, feature in ((lambda: fa3.flash_attn_func(q, k, v, qv=q), "qv"),
-                          (lambda: fa3.flash_attn_func(q.to(torch.float8_e4m3fn), k, v), "fp8"),
-                          (lambda: fa3.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 20, 20, seqused_q=used),
-                           "seqused_q"),
                           (lambda: fa3.flash_attn_combine(out[None], lse[None].transpose(-1, -2), out=out),
                            "combine into a given out")):
         with pytest.raises(pytest.skip.Exception, match="unsupported: " + feature):
@@ -900,6 +903,103 @@ def test_attention_varlen_cpu_gradients_equal_per_sequence_calls():
             assert torch.equal(got, want), (kw, name)
 
 
+def test_attention_varlen_seqused_q_shortens_each_sequence():
+    """seqused_q (FlashAttention 3's) with seqused_k: sequence b is its first seqused_q[b] query
+    rows against its first seqused_k[b] keys (causal aligned bottom-right on those), against
+    reference.attention_ref on that sequence alone, every mask of MASKS; its other rows give 0 and
+    -inf, and their gradients are zero."""
+    q, k, v, cu_q, cu_k = packed_qkv(VARLEN_LENGTHS, 6, 2, 23, torch.float64, extra_q=2)
+    lens_q, lens_k = (cu_q[1:] - cu_q[:-1]).tolist(), (cu_k[1:] - cu_k[:-1]).tolist()
+    used_q = torch.tensor([n - n // 3 for n in lens_q], dtype=torch.int32)
+    used_k = torch.tensor([n - n // 4 for n in lens_k], dtype=torch.int32)
+    for causal, window, scale, softcap in MASKS:
+        what = (causal, window, scale, softcap)
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out, lse = gqa_module.attention_varlen(*leaves, cu_q, cu_k, 100, 65, causal=causal, window_size=window,
+                                               softmax_scale=scale, softcap=softcap, seqused_q=used_q,
+                                               seqused_k=used_k, return_lse=True)
+        unused = torch.ones(q.shape[0], dtype=torch.bool)
+        for b in range(len(VARLEN_LENGTHS)):
+            rows = slice(int(cu_q[b]), int(cu_q[b]) + int(used_q[b]))
+            keys = slice(int(cu_k[b]), int(cu_k[b]) + int(used_k[b]))
+            unused[rows] = False
+            q_b, k_b, v_b = q[rows][None], k[keys][None], v[keys][None]
+            geo = geometry_of(q_b, k_b, causal, window, scale, softcap)
+            assert_rows_close(out[rows][None].detach(), lse[:, rows][None].detach(),
+                              *reference_of(q_b, k_b, v_b, geo), 1e-12, what + (b,))
+        assert int(unused.sum()) == 2 + sum(n // 3 for n in lens_q)
+        assert torch.all(out[unused] == 0) and torch.all(torch.isneginf(lse[:, unused])), what
+        dq = torch.autograd.grad(out, leaves[0], torch.randn_like(out))[0]
+        assert torch.all(dq[unused] == 0), what
+
+
+def test_float8_inputs_are_widened_by_their_descales():
+    """float8_e4m3fn and float8_e5m2 inputs (FlashAttention 3's) with q_descale, k_descale and
+    v_descale [B, Hkv]: each input times its descale (q head h taking kv head h // group's),
+    rounded to bfloat16, is what attention() computes, every mask of MASKS against
+    reference.attention_ref on those widened values (output bfloat16, rounding only); packed
+    sequences take sequence b's descales, a KV cache batch row b's, each equal to attention() on
+    that sequence or row alone."""
+    B, T, Hq, Hkv, D = 2, 37, 6, 2, 23
+    gen = torch.Generator().manual_seed(seed_of("float8"))
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        q, k, v = (torch.randn(B, T, H, D, generator=gen).to(fp8) for H in (Hq, Hkv, Hkv))
+        descales = [torch.rand(B, Hkv, generator=gen) * 2 for _ in range(3)]
+        named = dict(zip(("q_descale", "k_descale", "v_descale"), descales))
+        group = [Hq // Hkv, 1, 1]
+        wide = [(x.double() * d.double().repeat_interleave(g, dim=1)[:, None, :, None]).to(torch.bfloat16).double()
+                for x, d, g in zip((q, k, v), descales, group)]
+        for causal, window, scale, softcap in MASKS:
+            what = (fp8, causal, window, scale, softcap)
+            kw = dict(causal=causal, window_size=window, softmax_scale=scale, softcap=softcap)
+            out, lse = gqa_module.attention(q, k, v, return_lse=True, **named, **kw)
+            assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32, what
+            geo = geometry_of(wide[0], wide[1], causal, window, scale, softcap)
+            assert_rows_close(out, lse, *reference_of(*wide, geo), 1e-2, what)
+        without = gqa_module.attention(q, k, v, causal=True)   # no descales: each value as it is
+        assert torch.equal(without, gqa_module.attention(*(x.to(torch.bfloat16) for x in (q, k, v)), causal=True))
+        # packed sequences: sequence b takes row b of each descale
+        cu = torch.tensor([0, 10, 10, 37], dtype=torch.int32)
+        packed = [x[0] for x in (q, k, v)]
+        d3 = [torch.rand(3, Hkv, generator=gen) for _ in range(3)]
+        got = gqa_module.attention_varlen(*packed, cu, cu, 27, 27, causal=True, q_descale=d3[0], k_descale=d3[1],
+                                          v_descale=d3[2])
+        for b in (0, 2):
+            span = slice(int(cu[b]), int(cu[b + 1]))
+            alone = gqa_module.attention(*(x[span][None] for x in packed), causal=True, q_descale=d3[0][b:b + 1],
+                                         k_descale=d3[1][b:b + 1], v_descale=d3[2][b:b + 1])
+            assert torch.equal(got[span], alone[0]), (fp8, b)
+        # a KV cache: batch row b takes row b of each descale
+        lens = torch.tensor([5, 30], dtype=torch.int32)
+        got = gqa_module.attention_with_kvcache(q[:, :2], k, v, cache_seqlens=lens, causal=True, **named)
+        for b in range(B):
+            alone = gqa_module.attention(q[b:b + 1, :2], k[b:b + 1, :int(lens[b])], v[b:b + 1, :int(lens[b])],
+                                         causal=True, **{n: d[b:b + 1] for n, d in named.items()})
+            assert torch.equal(got[b:b + 1], alone), (fp8, b)
+
+
+def test_float8_rules_name_the_argument():
+    """A descale beside inputs that are not float8, float8 inputs beside others, and a descale of
+    the wrong dtype, shape or type: each a ValueError or TypeError naming it."""
+    q, k, v = (x.to(torch.float8_e4m3fn) for x in make_qkv(2, 9, 4, 2, 16))
+    d = torch.rand(2, 2)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    cases = [(lambda: gqa_module.attention(q.float(), k.float(), v.float(), k_descale=d), ValueError,
+              "k_descale applies to float8 inputs"),
+             (lambda: gqa_module.attention(q, k.float(), v), ValueError, "q, k and v must share one dtype"),
+             (lambda: gqa_module.attention(q, k, v, q_descale=d[:1]), ValueError,
+              r"q_descale must be float32 of shape \(batch, Hkv\) = \(2, 2\)"),
+             (lambda: gqa_module.attention(q, k, v, v_descale=d.double()), ValueError, "v_descale must be float32"),
+             (lambda: gqa_module.attention(q, k, v, q_descale=[1.0, 2.0]), TypeError, "q_descale must be a torch.Tensor"),
+             (lambda: gqa_module.attention_varlen(q[0], k[0], v[0], cu, cu, 5, 5, k_descale=torch.rand(3, 2)),
+              ValueError, r"attention_varlen: k_descale must be float32 of shape \(batch, Hkv\) = \(2, 2\)"),
+             (lambda: gqa_module.attention_with_kvcache(q, k, v, cache_seqlens=3, q_descale=torch.rand(1, 2)),
+              ValueError, "attention_with_kvcache: q_descale must be float32")]
+    for call, error, message in cases:
+        with pytest.raises(error, match=message):
+            call()
+
+
 def test_attention_varlen_nonfinite_stays_in_its_sequence():
     """NaN or Inf in one sequence's q, k or v reaches that sequence's rows (as the float64
     reference puts it) and no other sequence's."""
@@ -924,8 +1024,8 @@ def test_attention_varlen_nonfinite_stays_in_its_sequence():
 
 def test_attention_varlen_rules_name_the_argument():
     """Offsets as FlashAttention takes them (1-D int32 on q's device, from 0, never decreasing,
-    within the tensors), max_seqlen_q/k at least the longest sequence, seqused_k within each
-    sequence's keys, 3-D tensors: each broken rule a ValueError or TypeError naming the argument."""
+    within the tensors), max_seqlen_q/k at least the longest sequence, seqused_q and seqused_k
+    within each sequence's queries and keys, 3-D tensors: each broken rule a ValueError or TypeError naming the argument."""
     q, k, v, cu_q, cu_k = packed_qkv([(3, 4), (5, 2)], 4, 2, 8, torch.float32)
     call = lambda **over: gqa_module.attention_varlen(**{**dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                                                                   max_seqlen_q=5, max_seqlen_k=4), **over})
@@ -940,6 +1040,8 @@ def test_attention_varlen_rules_name_the_argument():
              (dict(max_seqlen_k=4.0), TypeError, "max_seqlen_k must be an int"),
              (dict(seqused_k=torch.tensor([4, 3], dtype=torch.int32)), ValueError, r"seqused_k\[1\] must be in 0 .. 2"),
              (dict(seqused_k=torch.tensor([4], dtype=torch.int32)), ValueError, "seqused_k must have 2 values"),
+             (dict(seqused_q=torch.tensor([3, 6], dtype=torch.int32)), ValueError, r"seqused_q\[1\] must be in 0 .. 5"),
+             (dict(seqused_q=torch.tensor([1, 2, 3], dtype=torch.int32)), ValueError, "seqused_q must have 2 values"),
              (dict(q=q[None]), ValueError, "q must be 3-D"),
              (dict(q=q[:, :3]), ValueError, "attention_varlen"),
              (dict(window_size=(-2, 0)), ValueError, r"window_size\[0\]")]
@@ -1109,7 +1211,8 @@ def test_attention_with_kvcache_packed_rows_equal_row_by_row_calls():
 def test_gpu_attention_with_kvcache_packed_rows_and_rotary_match_float64():
     """On CUDA tensors (fp32): packed rows over a KV cache with the rotary embedding, against the
     same call on float64 CPU tensors (outputs within 2e-5 of each row's largest value, caches
-    written alike); attention_chunk and alibi_slopes raise a NotImplementedError naming them."""
+    written alike); attention_chunk and alibi_slopes (through PyTorch on the GPU) against float64 CPU
+    calls likewise, and bf16 float8_e4m3fn inputs with descales against the same call on the CPU."""
     gen = torch.Generator().manual_seed(seed_of("gpu packed kvcache"))
     q, k_cache, v_cache, k_new, v_new, seqlens = kvcache_case(torch.float32, Tq=4, t_new=4)
     lens_q, lens_new = [1, 4, 0, 2, 3, 4], [2, 4, 1, 0, 3, 1]
@@ -1131,11 +1234,20 @@ def test_gpu_attention_with_kvcache_packed_rows_and_rotary_match_float64():
     err = (got - exact).abs().amax(dim=-1)
     assert torch.all(err <= 2e-5 * exact.abs().amax(dim=-1).clamp_min(1.0)), float(err.max())
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got_caches, exact_caches))
-    qc, kc, vc = (x[:1].cuda() for x in (q, k_cache, v_cache))
-    for kw, name in ((dict(attention_chunk=16), "attention_chunk=16"), (dict(alibi_slopes=torch.rand(6).cuda()),
-                                                                      "alibi_slopes")):
-        with pytest.raises(NotImplementedError, match=name):
-            gqa_module.attention(qc, kc, vc, causal=True, **kw)
+    slopes = torch.rand(6, generator=gen)
+    for kw in (dict(attention_chunk=16), dict(alibi_slopes=slopes), dict(softcap=2.0, window_size=(30, 4))):
+        got = gqa_module.attention(*(x[:2].cuda() for x in (q, k_cache, v_cache)), causal=True,
+                                   **{n: a.cuda() if isinstance(a, torch.Tensor) else a for n, a in kw.items()})
+        exact = gqa_module.attention(*(x[:2].double() for x in (q, k_cache, v_cache)), causal=True,
+                                     **{n: a.double() if isinstance(a, torch.Tensor) else a for n, a in kw.items()})
+        err = (got.cpu().double() - exact).abs().amax(dim=-1)
+        assert torch.all(err <= 2e-5 * exact.abs().amax(dim=-1).clamp_min(1.0)), (kw, float(err.max()))
+    f8 = [x[:2].to(torch.float8_e4m3fn) for x in (q, k_cache, v_cache)]
+    descales = [torch.rand(2, 2, generator=gen) for _ in range(3)]
+    got = gqa_module.attention(*(x.cuda() for x in f8), causal=True, q_descale=descales[0].cuda(),
+                               k_descale=descales[1].cuda(), v_descale=descales[2].cuda())
+    expect = gqa_module.attention(*f8, causal=True, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2])
+    assert got.dtype == torch.bfloat16 and torch.allclose(got.cpu().float(), expect.float(), atol=2e-2, rtol=0)
 
 
 def test_attention_with_kvcache_rules_name_the_argument():
@@ -1334,7 +1446,8 @@ def test_gpu_fp32_backward_on_uneven_inputs_within_4x_of_sdpa(shape):
 @needs_gpu
 def test_gpu_attention_routes_causal_and_runs_the_rest():
     """On CUDA tensors attention() with a causal geometry is causal_gqa_attention's result, bit for
-    bit; other geometries run the row-wise kernels; softcap raises a NotImplementedError naming it."""
+    bit; other geometries run the row-wise kernels; softcap runs through PyTorch on the GPU, equal
+    to the CPU path's result on the same values within float32 rounding."""
     q, k, v = make_qkv(2, 65, 6, 2, 64, device="cuda", dtype=torch.bfloat16)
     expect = gqa_module.causal_gqa_attention(q, k, v)
     for kw in (dict(causal=True), dict(window_size=(-1, 0)), dict(causal=True, window_size=(64, 3)),
@@ -1342,27 +1455,27 @@ def test_gpu_attention_routes_causal_and_runs_the_rest():
         assert torch.equal(gqa_module.attention(q, k, v, **kw), expect), kw
     out, lse = gqa_module.attention(q, k, v, causal=True, return_lse=True)
     assert torch.allclose(out.float(), expect.float(), atol=2e-2) and lse.shape == (2, 6, 65)
-    with pytest.raises(NotImplementedError) as info:
-        gqa_module.attention(q, k, v, causal=True, softcap=5.0)
-    assert "softcap=5.0" in str(info.value) and "CPU tensors run every option" in str(info.value), str(info.value)
+    capped = gqa_module.attention(q, k, v, causal=True, softcap=5.0)
+    on_cpu = gqa_module.attention(q.cpu(), k.cpu(), v.cpu(), causal=True, softcap=5.0)
+    assert capped.is_cuda and capped.dtype == q.dtype
+    assert torch.allclose(capped.cpu().float(), on_cpu.float(), atol=1e-2, rtol=0)
 
 
 @needs_gpu
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
 def test_gpu_attention_every_mask_matches_float64(dtype, tol):
-    """CUDA attention() on every mask of MASKS but softcap at every (Tq, Tk) of LENGTHS, odd head_dim
-    and GQA 3:1: each output row and log-sum-exp against reference.attention_ref (rows that see no
-    key exactly 0 and -inf), and dq, dk, dv row by row against float64 autograd of the CPU path."""
+    """CUDA attention() on every mask of MASKS at every (Tq, Tk) of LENGTHS, odd head_dim and GQA
+    3:1 (softcap through PyTorch on the GPU, the rest on the kernels): each output row and
+    log-sum-exp against reference.attention_ref (rows that see no key exactly 0 and -inf), and dq,
+    dk, dv row by row against float64 autograd of the CPU path."""
     for Tq, Tk in LENGTHS:
         for causal, window, scale, softcap in MASKS:
-            if softcap:
-                continue
             q, k, v = masked_qkv(2, Tq, Tk, 6, 2, 23, dtype)
-            geo = geometry_of(q, k, causal, window, scale, 0.0)
-            what = (dtype, Tq, Tk, causal, window, scale)
+            geo = geometry_of(q, k, causal, window, scale, softcap)
+            what = (dtype, Tq, Tk, causal, window, scale, softcap)
             leaves = [t.cuda().requires_grad_(True) for t in (q, k, v)]
             out, lse = gqa_module.attention(*leaves, causal=causal, window_size=window, softmax_scale=scale,
-                                            return_lse=True)
+                                            softcap=softcap, return_lse=True)
             assert_rows_close(out.cpu(), lse.cpu(), *reference_of(q, k, v, geo), tol, what)
             grad_out = torch.randn(out.shape, dtype=torch.float64)
             grads = torch.autograd.grad(out, leaves, grad_out.to(dtype).cuda())
@@ -1515,13 +1628,14 @@ needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers")
 
 
 def tiny_causal_lm(family, attn, **overrides):
-    """A random-init Llama, Qwen2 or Mistral with GQA (4 query heads, 2 kv heads, head_dim 16), the
-    same weights for every `attn` (seeded), in eval mode (no dropout)."""
+    """A random-init Llama, Qwen2, Mistral or Gemma 2 with GQA (4 query heads, 2 kv heads, head_dim
+    16), the same weights for every `attn` (seeded), in eval mode (no dropout)."""
     import transformers
     config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                    "mistral": transformers.MistralConfig}[family]
+                    "mistral": transformers.MistralConfig, "gemma2": transformers.Gemma2Config}[family]
     config = config_class(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, **overrides)
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                          **dict(dict(head_dim=16), **overrides))
     torch.manual_seed(seed_of("tiny model", family))
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
 
@@ -1636,6 +1750,37 @@ def test_transformers_padding_windows_and_caches_match_sdpa(family, window):
     assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6), (loss, ref_loss)
     for key, grad in grads.items():
         assert torch.allclose(grad, ref_grads[key], rtol=1e-4, atol=1e-6), key
+
+
+def gemma2_matches_eager(device, dtype=torch.float32):
+    """Gemma 2 (a soft cap of 50 on the scores; its layers alternate a sliding window of 8 and full
+    attention; no SDPA in transformers, so eager attention is the peer): a training step's loss
+    and gradients and greedy generate() over a dynamic cache against eager attention's."""
+    import gqa_transformers
+    name = gqa_transformers.register()
+    ours, ref = (tiny_causal_lm("gemma2", attn, sliding_window=8).to(device, dtype) for attn in (name, "eager"))
+    assert ours.config.attn_logit_softcapping == 50.0
+    ids = torch.randint(0, 128, (2, 40), device=device)
+    (loss, grads), (ref_loss, ref_grads) = loss_and_grads(ours, ids), loss_and_grads(ref, ids)
+    assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6), (loss, ref_loss)
+    for key, grad in grads.items():
+        assert torch.allclose(grad, ref_grads[key], rtol=1e-4, atol=1e-5), key
+    kwargs = dict(attention_mask=torch.ones(2, 12, dtype=torch.long, device=device), max_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        assert torch.equal(ours.generate(ids[:, :12], **kwargs), ref.generate(ids[:, :12], **kwargs))
+
+
+@needs_transformers
+def test_transformers_gemma2_softcap_and_windows_match_eager():
+    """Gemma 2 on the CPU path: gemma2_matches_eager."""
+    gemma2_matches_eager("cpu")
+
+
+@needs_gpu
+@needs_transformers
+def test_gpu_transformers_gemma2_softcap_and_windows_match_eager():
+    """Gemma 2 on CUDA tensors in fp32 (softcap through PyTorch on the GPU): gemma2_matches_eager."""
+    gemma2_matches_eager("cuda")
 
 
 @needs_transformers
