@@ -21,6 +21,9 @@ formed, their rules (one copy, here), and the PyTorch implementation that CPU te
   of those where seqused_k is given), every rule above applying within each sequence. Rows of q
   past cu_seqlens_q[-1] belong to no sequence: output 0 and log-sum-exp -inf. The log-sum-exp of
   a packed call is [Hq, total_q].
+- v's head_dim may differ from q's and k's (FlashAttention 3's head_dim_v); the output takes v's.
+  qv (FlashAttention 3's, [B, Tq, Hq, head_dim_v]) adds qv . v to each score before the scale,
+  whose default becomes 1 / sqrt(head_dim + head_dim_v).
 - float8 inputs (FlashAttention 3's): q, k and v all float8_e4m3fn (or all float8_e5m2), with
   optional float32 q_descale, k_descale and v_descale [B, Hkv] (None: 1). Each is widened to
   bfloat16 as its descale times its value (q's head h taking kv head h // (Hq // Hkv)'s), the
@@ -39,6 +42,7 @@ import numbers
 import operator
 
 import torch
+import torch.utils.checkpoint
 
 def wide_dtype(dtype):
     """The type that sums, merges and log-sum-exps run in: float64 for float64, float32 otherwise."""
@@ -64,6 +68,28 @@ def check_descale(name, d, batch, Hkv, q, entry):
                          % (entry, name, batch, Hkv, d.dtype, tuple(d.shape)))
     if d.device != q.device:
         raise ValueError("%s: %s must be on q's device %s, got %s" % (entry, name, q.device, d.device))
+
+
+def split_value_dim(k, v):
+    """Whether v differs from k only in its head_dim (the last dim: FlashAttention 3's head_dim_v,
+    which the PyTorch path takes)."""
+    return (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dim() == v.dim() >= 1 and
+            k.shape[:-1] == v.shape[:-1] and v.shape[-1] != k.shape[-1] and v.shape[-1] >= 1)
+
+
+def check_qv(qv, q, v, entry):
+    """FlashAttention 3's qv rule: None, or a tensor of q's shape but for its head_dim, which is
+    v's, and of q's dtype (float8 inputs take none, as FlashAttention 3's) and device."""
+    if qv is None:
+        return
+    if not isinstance(qv, torch.Tensor):
+        raise TypeError("%s: qv must be a torch.Tensor or None, got %s" % (entry, type(qv).__name__))
+    if q.dtype in FLOAT8:
+        raise ValueError("%s: qv does not take float8 inputs (q is %s)" % (entry, q.dtype))
+    want = tuple(q.shape[:-1]) + tuple(v.shape[-1:])
+    if tuple(qv.shape) != want or qv.dtype != q.dtype or qv.device != q.device:
+        raise ValueError("%s: qv must have q's shape with v's head_dim, %s, and q's dtype and device (%s, %s); got "
+                         "%s, %s, %s" % (entry, list(want), q.dtype, q.device, list(qv.shape), qv.dtype, qv.device))
 
 
 def widen_float8(q, k, v, descales, entry, packed=None):
@@ -216,13 +242,6 @@ def is_causal_square(geo):
             and geo.alibi is None)
 
 
-def _sees(geo, device):
-    """[Tq, Tk] bool: query i sees key j."""
-    first, last = key_ranges(geo, device)
-    j = torch.arange(geo.Tk, device=device).view(1, -1)
-    return (j >= first.view(-1, 1)) & (j <= last.view(-1, 1))
-
-
 def _scores(geo, q, k, slopes, rows, keys):
     """q [..., rows, D] against k [..., keys, D] (query rows `rows` and keys `keys`, int64
     positions) as the call forms them: scale, then softcap, then ALiBi (slopes [..., 1, 1]
@@ -256,19 +275,44 @@ def attention_torch(q, k, v, geo):
     ka, va = k.to(acc).permute(0, 2, 1, 3), v.to(acc).permute(0, 2, 1, 3)
     finite = Tq == 0 or all(bool(torch.isfinite(t).all()) for t in (q, k, v))
     out, lse = (_dense if finite else _row_by_row)(geo, qa, ka, va)
-    out = out.permute(0, 3, 1, 2, 4).reshape(B, Tq, Hq, D).to(q.dtype)
+    out = out.permute(0, 3, 1, 2, 4).reshape(B, Tq, Hq, v.shape[3]).to(q.dtype)
     return out, lse.reshape(B, Hq, Tq)
 
 
+# Query rows a block of the PyTorch path holds: a kv head's float32 scores for the block stay within
+# this many elements, and with gradients each block is recomputed in the backward
+# (torch.utils.checkpoint), so memory grows with Tk, not Tq x Tk.
+_BLOCK_SCORES = 1 << 26
+
+
 def _dense(geo, qa, ka, va):
-    """Every score of a kv head at once, masked."""
-    sees = _sees(geo, qa.device)
+    """Every score of a kv head at once, masked, a block of query rows at a time (one block where
+    the scores fit _BLOCK_SCORES)."""
+    B, _, group, Tq, _ = qa.shape
+    rows = max(1, _BLOCK_SCORES // max(1, B * group * geo.Tk))
+    if rows >= Tq:
+        return _dense_rows(geo, qa, ka, va, 0, Tq)
+    recompute = torch.is_grad_enabled() and any(t.requires_grad for t in (qa, ka, va))
+    parts = []
+    for first in range(0, Tq, rows):
+        span = (geo, qa, ka, va, first, min(Tq, first + rows))
+        parts.append(torch.utils.checkpoint.checkpoint(_dense_rows, *span, use_reentrant=False) if recompute
+                     else _dense_rows(*span))
+    return torch.cat([o for o, _ in parts], dim=3), torch.cat([l for _, l in parts], dim=3)
+
+
+def _dense_rows(geo, qa, ka, va, first, end):
+    """_dense's query rows first .. end - 1: (out [B, Hkv, group, rows, D], lse [B, Hkv, group, rows])."""
+    starts, lasts = (x[first:end] for x in key_ranges(geo, qa.device))
+    keys = torch.arange(geo.Tk, device=qa.device)
+    sees = (keys.view(1, -1) >= starts.view(-1, 1)) & (keys.view(1, -1) <= lasts.view(-1, 1))
     blind = ~sees.any(dim=-1, keepdim=True)   # rows that see no key
     outs, lses = [], []
-    rows, keys = torch.arange(geo.Tq, device=qa.device), torch.arange(geo.Tk, device=qa.device)
+    rows = torch.arange(first, end, device=qa.device)
     slopes = _kv_head_slopes(geo, qa.shape[1])
     for h in range(qa.shape[1]):
-        s = _scores(geo, qa[:, h], ka[:, h].unsqueeze(1), None if slopes is None else slopes[:, h], rows, keys)
+        s = _scores(geo, qa[:, h, :, first:end], ka[:, h].unsqueeze(1), None if slopes is None else slopes[:, h],
+                    rows, keys)
         s = s.masked_fill(~sees, -math.inf)
         # A blind row's scores become zeros (a finite stand-in: no -inf - -inf, whose NaN would
         # reach the gradients); its weights and log-sum-exp are set below.
@@ -282,12 +326,12 @@ def _dense(geo, qa, ka, va):
 
 def _row_by_row(geo, qa, ka, va):
     """Each query row over the keys it sees alone."""
-    B, Hkv, group, Tq, D = qa.shape
+    B, Hkv, group, Tq, _ = qa.shape
     slopes = _kv_head_slopes(geo, Hkv)
     outs, lses = [], []
     for i, (first, last) in enumerate(zip(*(r.tolist() for r in key_ranges(geo)))):
         if first > last:
-            outs.append(qa.new_zeros(B, Hkv, group, D))
+            outs.append(qa.new_zeros(B, Hkv, group, va.shape[-1]))
             lses.append(qa.new_full((B, Hkv, group), -math.inf))
             continue
         row, keys = torch.tensor([i], device=qa.device), torch.arange(first, last + 1, device=qa.device)
@@ -406,13 +450,13 @@ def longest(name, given, lens, entry="attention_varlen"):
 def per_sequence(run, q, k, v, seqs, return_lse):
     """A packed call assembled from one call per sequence: run(b, q_b, k_b, v_b) on sequence b's
     [1, T, H, D] slices gives (out [1, Tq, Hq, D], lse [1, Hq, Tq] or None); -> out [total_q, Hq,
-    D], and lse [Hq, total_q] with return_lse. Rows past the last sequence: output 0, log-sum-exp
+    Dv], and lse [Hq, total_q] with return_lse. Rows past the last sequence: output 0, log-sum-exp
     -inf; so are the rows of a sequence past its Tq (seqused_q). Differentiable where run is."""
-    total_q, Hq, D = q.shape
+    total_q, Hq, Dv = q.shape[0], q.shape[1], v.shape[2]
     lse_dtype = wide_dtype(q.dtype)
     outs, lses, row = [], [], 0
     def gap(rows):   # rows of no sequence
-        outs.append(q.new_zeros(rows, Hq, D))
+        outs.append(q.new_zeros(rows, Hq, Dv))
         lses.append(torch.full((Hq, rows), -math.inf, dtype=lse_dtype, device=q.device))
     for b, seq in enumerate(seqs):   # cu_seqlens_q's sequences lie one after another from row 0
         if seq.Tq == 0:

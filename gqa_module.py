@@ -733,42 +733,58 @@ def causal_gqa_attention(q, k, v):
 
 # bundle: begin general-entry
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, attention_chunk=0,
-              alibi_slopes=None, return_lse=False, q_descale=None, k_descale=None, v_descale=None):
+              alibi_slopes=None, return_lse=False, q_descale=None, k_descale=None, v_descale=None, qv=None):
     """Attention with FlashAttention's arguments and meanings (gqa_geometry.py states them): q
-    [B, Tq, Hq, D], k and v [B, Tk, Hkv, D] -> out [B, Tq, Hq, D] in q's dtype, or (out, lse [B,
-    Hq, Tq]) with return_lse=True. causal defaults to False, as flash_attn_func's does. float8
-    inputs (FlashAttention 3's, with q_descale, k_descale and v_descale) are widened to bfloat16 by
-    their descales and give a bfloat16 output (gqa_geometry.widen_float8).
+    [B, Tq, Hq, D], k [B, Tk, Hkv, D] and v [B, Tk, Hkv, Dv] -> out [B, Tq, Hq, Dv] in q's dtype, or
+    (out, lse [B, Hq, Tq]) with return_lse=True. causal defaults to False, as flash_attn_func's
+    does. float8 inputs (FlashAttention 3's, with q_descale, k_descale and v_descale) are widened
+    to bfloat16 by their descales and give a bfloat16 output (gqa_geometry.widen_float8); qv is
+    FlashAttention 3's (scores q . k + qv . v).
 
     CPU tensors run every option through PyTorch (differentiable, the log-sum-exp too). CUDA
     tensors run the kernels of causal_gqa_attention for causal attention with Tq = Tk (causal=True,
     or a window that equals it), the default softmax_scale (within float32 rounding) and no
     log-sum-exp output; every other option but softcap, attention_chunk (FlashAttention 3's
-    chunked attention) and alibi_slopes (FlashAttention 2's ALiBi) runs the row-wise kernels of any
-    geometry (slower; the log-sum-exp not differentiable there). No kernel computes those three
-    yet: a CUDA call with any of them runs the CPU path's PyTorch code on the GPU (correct and
-    differentiable, but unfused: it holds a kv head's [B, group, Tq, Tk] scores in float32 at a
-    time, and every head's for the backward)."""
+    chunked attention), alibi_slopes (FlashAttention 2's ALiBi), qv and Dv != D runs the row-wise
+    kernels of any geometry (slower; the log-sum-exp not differentiable there). No kernel computes
+    those yet: a CUDA call with any of them runs the CPU path's PyTorch code on the GPU (correct and
+    differentiable, but unfused: it holds a kv head's [B, group, Tq, Tk] scores in float32 for a
+    block of query rows at a time, and recomputes each block in the backward)."""
     import gqa_geometry
 
     _require_tensors(q, k, v, "attention")
+    gqa_geometry.check_qv(qv, q, v, "attention")
     q, k, v = gqa_geometry.widen_float8(q, k, v, (q_descale, k_descale, v_descale), "attention")
-    if _on_cuda(q, k, v):
+    if _on_cuda(q, k, v) and qv is None and not gqa_geometry.split_value_dim(k, v):
         if q.dim() == 4 and k.dim() == 4:
             geo = gqa_geometry.arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse, attention_chunk,
                                          alibi_slopes)
             if gqa_geometry.cuda_gap(geo, q.shape[3]):
-                load_cpu_library().check_inputs.default(q, k, v, "attention", False)
+                _check_attention_inputs(q, k, v, "attention")
                 return _attention_through_pytorch(q, k, v, geo)
             if not gqa_geometry.takes_causal_kernels(geo, q.shape[3]):
                 ops = _OPS if _OPS is not None else load_extension(first_call=(q, k, v))
                 out, lse = ops.attention_rows(q, k, v, geo.left, geo.right, geo.scale)
                 return (out, lse) if return_lse else out
         return causal_gqa_attention(q, k, v)
-    load_cpu_library().check_inputs.default(q, k, v, "attention", False)
+    _check_attention_inputs(q, k, v, "attention")
+    if qv is not None:   # q . k + qv . v: q beside qv against k beside v
+        q, k = torch.cat([q, qv], dim=-1), torch.cat([k, v], dim=-1)
     geo = gqa_geometry.arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse, attention_chunk,
                                  alibi_slopes)
     return _attention_through_pytorch(q, k, v, geo)
+
+
+def _check_attention_inputs(q, k, v, entry):
+    """The library's input rules for a call of any lengths (the CPU library's check_inputs, which
+    CUDA tensors meet too), v's head_dim free to differ from k's: the rules then see v as its first
+    channel spread to k's shape (a view), so that its batch, keys, heads, dtype and device are
+    checked as k's would be."""
+    import gqa_geometry
+
+    if gqa_geometry.split_value_dim(k, v):
+        v = v.narrow(-1, 0, 1).expand(k.shape)
+    load_cpu_library().check_inputs.default(q, k, v, entry, False)
 
 
 def _attention_through_pytorch(q, k, v, geo):
@@ -781,12 +797,13 @@ def _attention_through_pytorch(q, k, v, geo):
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      softmax_scale=None, window_size=(-1, -1), softcap=0.0, attention_chunk=0, alibi_slopes=None,
-                     seqused_k=None, return_lse=False, seqused_q=None, q_descale=None, k_descale=None, v_descale=None):
+                     seqused_k=None, return_lse=False, seqused_q=None, q_descale=None, k_descale=None, v_descale=None,
+                     qv=None):
     """Packed sequences with flash_attn_varlen_func's arguments and meanings (gqa_geometry.py):
-    q [total_q, Hq, D], k and v [total_k, Hkv, D], int32 cu_seqlens_q and cu_seqlens_k of batch + 1
-    offsets, optional int32 seqused_q and seqused_k (FlashAttention 3's: the first seqused_q[b]
+    q [total_q, Hq, D], k [total_k, Hkv, D] and v [total_k, Hkv, Dv] (qv, where given, [total_q,
+    Hq, Dv]), int32 cu_seqlens_q and cu_seqlens_k of batch + 1 offsets, optional int32 seqused_q and seqused_k (FlashAttention 3's: the first seqused_q[b]
     queries and seqused_k[b] keys of sequence b are its sequence; its other query rows give 0) ->
-    out [total_q, Hq, D], or (out, lse [Hq, total_q]). Every option of attention() applies within
+    out [total_q, Hq, Dv], or (out, lse [Hq, total_q]). Every option of attention() applies within
     each sequence (causal aligned bottom-right per sequence); float8 descales are [batch, Hkv].
 
     This version runs one attention() call per sequence (on CUDA tensors, attention()'s kernels,
@@ -801,17 +818,19 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                              % (name, tuple(x.shape)))
     seqs = gqa_geometry.varlen_sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
                                          seqused_q)
+    gqa_geometry.check_qv(qv, q, v, "attention_varlen")
     q, k, v = gqa_geometry.widen_float8(q, k, v, (q_descale, k_descale, v_descale), "attention_varlen",
                                         packed=gqa_geometry.rows_batch(seqs, q, k))
     if not _on_cuda(q, k, v):
-        load_cpu_library().check_inputs.default(q[None], k[None], v[None], "attention_varlen", False)
+        _check_attention_inputs(q[None], k[None], v[None], "attention_varlen")
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                    attention_chunk=attention_chunk)
     gqa_geometry.arguments(q[None], k[None], return_lse=return_lse, **options)   # the options' rules, once
     slopes = gqa_geometry.alibi_rows(alibi_slopes, q, len(seqs), q.shape[1], "attention_varlen")   # per sequence
 
     def run(b, q_b, k_b, v_b):
-        result = attention(q_b, k_b, v_b, alibi_slopes=slopes[b], return_lse=return_lse, **options)
+        qv_b = None if qv is None else qv[seqs[b].q0:seqs[b].q0 + seqs[b].Tq][None]
+        result = attention(q_b, k_b, v_b, alibi_slopes=slopes[b], return_lse=return_lse, qv=qv_b, **options)
         return result if return_lse else (result, None)
     return gqa_geometry.per_sequence(run, q, k, v, seqs, return_lse)
 

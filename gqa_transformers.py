@@ -15,10 +15,10 @@ cache's unfilled slots after them, a sliding window inside), run row by row thro
 `gqa_module.attention`; or sequences packed into one row by position_ids (transformers'
 padding-free collator), run through `gqa_module.attention_varlen`, as are the cu_seq_lens offsets
 that collator passes with return_flash_attn_kwargs (with no mask, or the same packing's). Any
-other mask or dropout is never served silently: by default it raises a ValueError naming what the library does not support; with
-`fallback="sdpa"` that call runs transformers' SDPA attention instead, and the first call of each
-kind says so on stderr. The checks read the mask on the host, so under torch.compile a masked
-call takes the fallback (or a graph break).
+other mask or dropout is never served silently: by default it raises a ValueError naming what the
+library does not support; with `fallback="sdpa"` that call runs transformers' SDPA attention
+instead, and the first call of each kind says so on stderr. The checks read the mask on the host,
+so under torch.compile a masked call takes the fallback (or a graph break).
 """
 
 import sys

@@ -75,23 +75,26 @@ def causal_gqa_reference(q, k, v, attended_only=False):
     return out
 
 
-def attention_ref(q, k, v, causal=True, window=(-1, -1), scale=None, softcap=0.0, chunk=0, alibi=None):
+def attention_ref(q, k, v, causal=True, window=(-1, -1), scale=None, softcap=0.0, chunk=0, alibi=None, qv=None):
     """Attention in float64 with FlashAttention's arguments and meanings, the reference for every
-    mask: q [B, Tq, Hq, D], k and v [B, Tk, Hkv, D] (query head h reads kv head h // (Hq // Hkv)).
+    mask: q [B, Tq, Hq, D], k [B, Tk, Hkv, D] and v [B, Tk, Hkv, Dv] (query head h reads kv head h //
+    (Hq // Hkv)); qv [B, Tq, Hq, Dv] (FlashAttention 3's) adds qv . v to q . k.
 
     Query i is aligned with key i + Tk - Tq (bottom right, as FlashAttention does when Tq != Tk).
     It sees key j when j <= i + Tk - Tq + right and j >= i + Tk - Tq - left, for window = (left,
     right) where -1 means unbounded; causal=True sets right to 0; with chunk > 0 (FlashAttention 3's
     attention_chunk) only where j also lies in the chunk of `chunk` keys that holds key i + Tk - Tq
     (chunks start at multiples of chunk; a negative aligned key's chunk holds no key). Scores are
-    q . k * scale (default 1/sqrt(D)), then softcap * tanh(score / softcap) when softcap > 0, then
+    (q . k + qv . v) * scale (default 1/sqrt(D), or 1/sqrt(D + Dv) with qv), then softcap * tanh(score / softcap) when softcap > 0, then
     minus alibi[b, h] * |i + Tk - Tq - j| where alibi ([Hq] or [B, Hq] slopes) is given. A row
-    that sees no key gives 0 and a log-sum-exp of -inf. Returns (out [B, Tq, Hq, D], lse [B, Hq, Tq], natural log), float64.
+    that sees no key gives 0 and a log-sum-exp of -inf. Returns (out [B, Tq, Hq, Dv], lse [B, Hq, Tq],
+    natural log), float64.
     As causal_gqa_reference, inputs holding Inf or NaN take loops over the keys each row sees, so
     a masked key's 0 weight never multiplies them."""
     B, Tq, Hq, D = q.shape
     Tk, group = k.shape[1], Hq // k.shape[2]
-    scale = 1 / math.sqrt(D) if scale is None else scale
+    Dv = v.shape[3]
+    scale = 1 / math.sqrt(D if qv is None else D + Dv) if scale is None else scale
     left, right = window[0], 0 if causal else window[1]
     i = torch.arange(Tq, device=q.device).view(Tq, 1) + (Tk - Tq)
     j = torch.arange(Tk, device=q.device).view(1, Tk)
@@ -104,7 +107,11 @@ def attention_ref(q, k, v, causal=True, window=(-1, -1), scale=None, softcap=0.0
         start = i - torch.remainder(i, chunk)   # the chunk's first key (floor, also for negative i)
         sees &= (j >= start) & (j < start + chunk)
     q64, k64, v64 = q.double(), k.double(), v.double()
-    out = torch.zeros(B, Tq, Hq, D, dtype=torch.float64, device=q.device)
+    out = torch.zeros(B, Tq, Hq, Dv, dtype=torch.float64, device=q.device)
+    qv64 = None if qv is None else qv.double()
+    def dot(t, h, kv, keys=slice(None)):   # q . k (+ qv . v) of query rows t of head h
+        s = torch.einsum("b...d,bsd->b...s", q64[:, t, h], k64[:, keys, kv])
+        return s if qv64 is None else s + torch.einsum("b...d,bsd->b...s", qv64[:, t, h], v64[:, keys, kv])
     lse = torch.full((B, Hq, Tq), -math.inf, dtype=torch.float64, device=q.device)
     slopes = None if alibi is None else alibi.double().reshape(-1, Hq).expand(B, Hq)
     distance = (i - j).abs().double()   # |aligned query - key|, [Tq, Tk]
@@ -113,11 +120,11 @@ def attention_ref(q, k, v, causal=True, window=(-1, -1), scale=None, softcap=0.0
         if slopes is not None:
             s = s - slopes[:, h].view(-1, *([1] * (s.dim() - 1))) * distance[rows, keys]
         return s
-    finite = all(bool(torch.isfinite(t).all()) for t in (q64, k64, v64))
+    finite = all(bool(torch.isfinite(t).all()) for t in (q64, k64, v64) + (() if qv is None else (qv64,)))
     for h in range(Hq):
         kv = h // group
         if finite:
-            s = capped(torch.einsum("btd,bsd->bts", q64[:, :, h], k64[:, :, kv]) * scale, h).masked_fill(~sees, -math.inf)
+            s = capped(dot(slice(None), h, kv) * scale, h).masked_fill(~sees, -math.inf)
             row_lse = torch.logsumexp(s, dim=-1)
             p = torch.exp(s - row_lse.unsqueeze(-1)).nan_to_num(0.0)   # rows that see no key: 0
             out[:, :, h], lse[:, h] = p @ v64[:, :, kv], row_lse
@@ -125,7 +132,7 @@ def attention_ref(q, k, v, causal=True, window=(-1, -1), scale=None, softcap=0.0
         for t in range(Tq):
             keys = sees[t].nonzero().flatten()
             if keys.numel() > 0:
-                s = capped(torch.einsum("bd,bsd->bs", q64[:, t, h], k64[:, keys, kv]) * scale, h, t, keys)
+                s = capped(dot(t, h, kv, keys) * scale, h, t, keys)
                 lse[:, h, t] = torch.logsumexp(s, dim=-1)
                 out[:, t, h] = torch.einsum("bs,bsd->bd", torch.softmax(s, dim=-1), v64[:, keys, kv])
     return out, lse

@@ -770,7 +770,9 @@ def test_flash_attention_3_stand_in_maps_its_arguments():
     assert torch.equal(fa3.flash_attn_func(*f8, **descales, **kw), gqa_module.attention(*f8, **descales, **kw))
     assert torch.equal(fa3.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 20, 20, seqused_q=used, **kw),
                        gqa_module.attention_varlen(q[0], k[0], v[0], cu, cu, 20, 20, seqused_q=used, **kw))
-    for call, feature in ((lambda: fa3.flash_attn_func(q, k, v, qv=q), "qv"),
+    assert torch.equal(fa3.flash_attn_func(q, k, v, qv=q, **kw), gqa_module.attention(q, k, v, qv=q, **kw))
+    for call, feature in ((lambda: fa3.flash_attn_with_kvcache(q[:, :3], k, v, qv=q[:, :3], cache_seqlens=seqlens),
+                           "qv over a KV cache"),
                           (lambda: fa3.flash_attn_combine(out[None], lse[None].transpose(-1, -2), out=out),
                            "combine into a given out")):
         with pytest.raises(pytest.skip.Exception, match="unsupported: " + feature):
@@ -901,6 +903,90 @@ def test_attention_varlen_cpu_gradients_equal_per_sequence_calls():
                 e[span] = g
         for name, got, want in zip("qkv", packed, expect):
             assert torch.equal(got, want), (kw, name)
+
+
+def test_attention_cpu_blocks_of_query_rows_match_one_block(monkeypatch):
+    """The PyTorch path in blocks of query rows (gqa_geometry._BLOCK_SCORES made small: blocks of 1,
+    7 and 40 rows, the backward recomputing each) against one block: float64 outputs, log-sum-exps
+    and dq, dk, dv (from gradients of both outputs) within 1e-12, every mask of MASKS, with ALiBi
+    and a chunk, at Tq, Tk = 65, 63 and 63, 65."""
+    B, Hq, Hkv, D = 2, 6, 2, 23
+    gen = torch.Generator().manual_seed(seed_of("blocks of rows"))
+    slopes = torch.rand(Hq, generator=gen, dtype=torch.float64)
+    for Tq, Tk in ((65, 63), (63, 65)):
+        q, k, v = masked_qkv(B, Tq, Tk, Hq, Hkv, D, torch.float64)
+        g_out, g_lse = torch.randn(B, Tq, Hq, D, generator=gen, dtype=torch.float64), \
+            torch.randn(B, Hq, Tq, generator=gen, dtype=torch.float64)
+        extras = [dict(), dict(alibi_slopes=slopes), dict(attention_chunk=16)]
+        for (causal, window, scale, softcap), extra in itertools.product(MASKS, extras):
+            kw = dict(causal=causal, window_size=window, softmax_scale=scale, softcap=softcap, **extra)
+            def run():
+                leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+                out, lse = gqa_module.attention(*leaves, return_lse=True, **kw)
+                seen = torch.isfinite(lse)
+                loss = (out * g_out).sum() + (lse.masked_fill(~seen, 0) * g_lse).sum()
+                return [out.detach(), lse.detach()] + list(torch.autograd.grad(loss, leaves))
+            whole = run()
+            for rows in (1, 7, 40):
+                monkeypatch.setattr(gqa_geometry, "_BLOCK_SCORES", rows * B * (Hq // Hkv) * Tk)
+                blocked = run()
+                monkeypatch.undo()
+                for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), blocked, whole):
+                    assert torch.equal(torch.isneginf(a), torch.isneginf(b)), (kw, rows, name)
+                    fin = torch.isfinite(b)
+                    assert torch.allclose(a[fin], b[fin], rtol=0, atol=1e-12), (kw, rows, name)
+
+
+def test_value_head_dim_and_qv_match_float64():
+    """v with a head_dim of its own (FlashAttention 3's head_dim_v: 7 and 40 beside D = 23), and qv
+    (scores q . k + qv . v, default scale 1 / sqrt(D + Dv)): attention() against
+    reference.attention_ref for every mask of MASKS at (Tq, Tk) = (65, 63) and (63, 65), outputs
+    and log-sum-exps row by row; gradcheck of a small float64 call with qv; attention_varlen with
+    both equal to attention() on each sequence alone."""
+    gen = torch.Generator().manual_seed(seed_of("head_dim_v"))
+    for (Tq, Tk), Dv, with_qv in itertools.product(((65, 63), (63, 65)), (7, 40), (False, True)):
+        q, k, _ = masked_qkv(2, Tq, Tk, 6, 2, 23, torch.float64)
+        v = torch.randn(2, Tk, 2, Dv, generator=gen, dtype=torch.float64)
+        qv = torch.randn(2, Tq, 6, Dv, generator=gen, dtype=torch.float64) if with_qv else None
+        for causal, window, scale, softcap in MASKS:
+            what = (Tq, Tk, Dv, with_qv, causal, window, scale, softcap)
+            out, lse = gqa_module.attention(q, k, v, causal=causal, window_size=window, softmax_scale=scale,
+                                            softcap=softcap, qv=qv, return_lse=True)
+            assert out.shape == (2, Tq, 6, Dv), what
+            geo = geometry_of(q, k, causal, window, scale, softcap)   # window sides as the reference takes them
+            ref = reference.attention_ref(q, k, v, causal=causal, window=(geo.left, geo.right), scale=scale,
+                                          softcap=softcap, qv=qv)
+            assert_rows_close(out, lse, *ref, 1e-12, what)
+    q, k, v, qv = (torch.randn(1, 9, h, d, generator=gen, dtype=torch.float64, requires_grad=True)
+                   for h, d in ((4, 5), (2, 5), (2, 3), (4, 3)))
+    assert torch.autograd.gradcheck(lambda *t: gqa_module.attention(*t[:3], qv=t[3], causal=True, softcap=2.0),
+                                    (q, k, v, qv))
+    cu = torch.tensor([0, 4, 4, 9], dtype=torch.int32)
+    packed = [x[0].detach() for x in (q, k, v, qv)]
+    got = gqa_module.attention_varlen(*packed[:3], cu, cu, 5, 5, causal=True, qv=packed[3])
+    for b in range(3):
+        span = slice(int(cu[b]), int(cu[b + 1]))
+        alone = gqa_module.attention(*(x[span][None] for x in packed[:3]), causal=True, qv=packed[3][span][None])
+        assert torch.equal(got[span], alone[0]), b
+
+
+def test_value_head_dim_and_qv_rules_name_the_argument():
+    """qv of the wrong shape, dtype or type, qv beside float8 inputs, and a v that differs from k
+    in more than its head_dim: each a ValueError or TypeError naming it."""
+    q, k, v = make_qkv(2, 9, 4, 2, 16)
+    v8 = torch.randn(2, 9, 2, 8)
+    f8 = [x.to(torch.float8_e4m3fn) for x in (q, k, v)]
+    cases = [(lambda: gqa_module.attention(q, k, v8, qv=torch.randn(2, 9, 4, 16)), ValueError,
+              r"qv must have q's shape with v's head_dim, \[2, 9, 4, 8\]"),
+             (lambda: gqa_module.attention(q, k, v8, qv=torch.randn(2, 9, 4, 8).double()), ValueError, "qv must have"),
+             (lambda: gqa_module.attention(q, k, v8, qv=[1.0]), TypeError, "qv must be a torch.Tensor"),
+             (lambda: gqa_module.attention(*f8, qv=f8[0]), ValueError, "qv does not take float8 inputs"),
+             (lambda: gqa_module.attention(q, k, torch.randn(2, 8, 2, 8)), ValueError,
+              "k and v must have the same shape"),
+             (lambda: gqa_module.attention(q, k, v8.double()), ValueError, "q, k and v must share one dtype")]
+    for call, error, message in cases:
+        with pytest.raises(error, match=message):
+            call()
 
 
 def test_attention_varlen_seqused_q_shortens_each_sequence():
@@ -1441,6 +1527,34 @@ def test_gpu_fp32_backward_on_uneven_inputs_within_4x_of_sdpa(shape):
             (row_a, chan_a), (row_b, chan_b) = uneven.worst_errors(a, ref), uneven.worst_errors(b, ref)
             what = (shape, which, by, lo, hi, name, row_a, row_b, chan_a, chan_b)
             assert row_a <= 4 * max(row_b, 1e-7) and chan_a <= 4 * max(chan_b, 1e-7), what
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_gpu_options_without_kernels_match_float64(dtype, tol):
+    """The options no CUDA kernel computes (softcap, ALiBi, attention_chunk, head_dim_v != head_dim,
+    qv; PyTorch's ops on the GPU) on CUDA tensors: outputs and log-sum-exps row by row against
+    reference.attention_ref, and dq, dk, dv against float64 autograd of the CPU path, row by row."""
+    gen = torch.Generator().manual_seed(seed_of("gpu options", dtype))
+    q, k, _ = masked_qkv(2, 65, 63, 6, 2, 23, dtype)
+    v40 = torch.randn(2, 63, 2, 40, generator=gen).to(dtype)
+    qv = torch.randn(2, 65, 6, 40, generator=gen).to(dtype)
+    slopes = torch.rand(6, generator=gen)
+    for v, extra in ((q[:, :63, :2], dict(softcap=3.0, window_size=(20, 5))), (q[:, :63, :2], dict(attention_chunk=16)),
+                     (q[:, :63, :2], dict(alibi_slopes=slopes)), (v40, dict()), (v40, dict(qv=qv))):
+        leaves = [t.cuda().requires_grad_(True) for t in (q, k, v)]
+        cuda_extra = {n: x.cuda() if isinstance(x, torch.Tensor) else x for n, x in extra.items()}
+        out, lse = gqa_module.attention(*leaves, causal=True, return_lse=True, **cuda_extra)
+        exact_leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
+        wide_extra = {n: x.double() if isinstance(x, torch.Tensor) else x for n, x in extra.items()}
+        exact_out, exact_lse = gqa_module.attention(*exact_leaves, causal=True, return_lse=True, **wide_extra)
+        assert_rows_close(out.cpu(), lse.cpu(), exact_out.detach(), exact_lse.detach(), tol, list(extra))
+        grad_out = torch.randn(out.shape, generator=gen).to(dtype)
+        grads = torch.autograd.grad(out, leaves, grad_out.cuda())
+        exact = torch.autograd.grad(exact_out, exact_leaves, grad_out.double())
+        for name, got, ref in zip(("dq", "dk", "dv"), grads, exact):
+            err = (got.cpu().double() - ref).abs().amax(dim=-1)
+            assert torch.all(err <= 10 * tol * ref.abs().amax(dim=-1).clamp_min(1.0)), (list(extra), name)
 
 
 @needs_gpu

@@ -3,7 +3,7 @@ entries, so that hopper/test_flash_attn.py runs against this library (bench/fa_s
 
 Each function takes FlashAttention 3's arguments. Its speed knobs (num_splits, pack_gqa,
 scheduler_metadata, sm_margin, deterministic) change nothing here; what the library does not
-compute (qv, a combine into a given tensor) skips the test with
+compute (qv over a KV cache, a combine into a given tensor) skips the test with
 "unsupported: <feature>", as the FlashAttention 2 stand-in does."""
 import pytest
 
@@ -12,11 +12,6 @@ import gqa_module
 
 def _unsupported(feature):
     pytest.skip("unsupported: " + feature)
-
-
-def _refuse(qv):
-    if qv is not None:
-        _unsupported("qv")
 
 
 def _served(call):
@@ -29,23 +24,21 @@ def _served(call):
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None, v_descale=None,
                     window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None,
                     deterministic=False, sm_margin=0, return_attn_probs=False):
-    _refuse(qv)
     return _served(lambda: gqa_module.attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                                 window_size=window_size, softcap=softcap, attention_chunk=attention_chunk,
                                                 return_lse=return_attn_probs, q_descale=q_descale,
-                                                k_descale=k_descale, v_descale=v_descale))
+                                                k_descale=k_descale, v_descale=v_descale, qv=qv))
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
                            seqused_k=None, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
                            v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
                            pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
-    _refuse(qv)
     return _served(lambda: gqa_module.attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
         window_size=window_size, softcap=softcap, attention_chunk=attention_chunk, seqused_q=seqused_q,
         seqused_k=seqused_k, return_lse=return_attn_probs, q_descale=q_descale, k_descale=k_descale,
-        v_descale=v_descale))
+        v_descale=v_descale, qv=qv))
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
@@ -55,7 +48,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                             window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
                             scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
                             return_softmax_lse=False):
-    _refuse(qv)
+    if qv is not None:
+        _unsupported("qv over a KV cache")
     return _served(lambda: gqa_module.attention_with_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
         rotary_seqlens=rotary_seqlens, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k_new=cu_seqlens_k_new,
