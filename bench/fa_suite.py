@@ -7,8 +7,8 @@
 bench/fa_shim/flash_attn maps FlashAttention 2's functions onto gqa_module's attention,
 attention_varlen and attention_with_kvcache, and bench/fa_shim/flash_attn_interface.py FlashAttention
 3's (hopper/test_flash_attn.py, with the padding.py and test_util.py beside it); what the
-library does not compute (dropout, ALiBi, rotary embeddings, and on CUDA tensors the options the
-kernels do not run yet) skips with "unsupported: <feature>". The test file runs as it is but for
+library does not compute (dropout, paged keys in a packed call, qv over a KV cache) skips with
+"unsupported: <feature>". The test file runs as it is but for
 one change with --device cpu: its "cuda" device strings become "cpu", and torch.cuda's device
 queries answer as an 80 GB sm_90 GPU would (its skips for small GPUs and old architectures then
 take the H100/H200's branch). A sample of N of its parametrised cases (a fixed seed) runs, with
