@@ -801,11 +801,16 @@ def test_flash_attention_stand_in_maps_its_arguments():
     assert torch.equal(flash_attn.flash_attn_qkvpacked_func(qkv, causal=True),
                        gqa_module.attention(q[:, :, :2], k, v, causal=True))
     cu = torch.tensor([0, 33], dtype=torch.int32)
-    for call, feature in ((lambda: flash_attn.flash_attn_func(q, k, v, 0.1), "dropout"),
-                          (lambda: flash_attn.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 33, 33,
-                                                                      block_table=cu), "paged kv")):
-        with pytest.raises(pytest.skip.Exception, match="unsupported: " + feature):
-            call()
+    with pytest.raises(pytest.skip.Exception, match="unsupported: dropout"):
+        flash_attn.flash_attn_func(q, k, v, 0.1)
+    # paged keys in a packed call: attention_with_kvcache's packed rows over the pages
+    pool_k, pool_v = (x[0].reshape(3, 11, 2, 16) for x in (k, v))
+    table, lens = torch.tensor([[2, 0], [1, 2]], dtype=torch.int32), torch.tensor([15, 9], dtype=torch.int32)
+    cu_q, cu_k = torch.tensor([0, 6, 10], dtype=torch.int32), torch.tensor([0, 15, 24], dtype=torch.int32)
+    paged = flash_attn.flash_attn_varlen_func(q[0, :10], pool_k, pool_v, cu_q, cu_k, 6, 15, block_table=table, **kw)
+    for b, rows in enumerate((slice(0, 6), slice(6, 10))):
+        keys = [pool_k[table[b]].reshape(-1, 2, 16)[:int(lens[b])], pool_v[table[b]].reshape(-1, 2, 16)[:int(lens[b])]]
+        assert torch.equal(paged[rows], gqa_module.attention(q[0, rows][None], *(x[None] for x in keys), **kw)[0]), b
     cu = torch.tensor([0, 20, 33], dtype=torch.int32)
     out, lse, _ = flash_attn.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 20, 20, return_attn_probs=True, **kw)
     expect_out, expect_lse = gqa_module.attention_varlen(q[0], k[0], v[0], cu, cu, 20, 20, return_lse=True, **kw)

@@ -2,10 +2,12 @@
 test files (tests/test_flash_attn.py) run against this library (bench/fa_suite.py).
 
 Each function takes FlashAttention 2's arguments; the varlen ones map onto
-gqa_module.attention_varlen, flash_attn_with_kvcache onto gqa_module.attention_with_kvcache. What the library does not compute skips the
-test with "unsupported: <feature>" (bench/fa_suite.py counts those by feature); nothing is
-emulated around it."""
+gqa_module.attention_varlen (with a block_table, onto gqa_module.attention_with_kvcache's packed
+rows over the pages), flash_attn_with_kvcache onto gqa_module.attention_with_kvcache. What the
+library does not compute skips the test with "unsupported: <feature>" (bench/fa_suite.py counts
+those by feature); nothing is emulated around it."""
 import pytest
+import torch
 
 import gqa_module
 
@@ -54,12 +56,18 @@ def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                       causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table=None):
     if dropout_p:
         _unsupported("dropout")
-    if block_table is not None:
-        _unsupported("paged kv")
     try:
-        result = gqa_module.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                             causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                                             softcap=softcap, alibi_slopes=alibi_slopes, return_lse=return_attn_probs)
+        if block_table is not None:   # k and v are pools of pages: attention_with_kvcache's packed rows over them
+            lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+            result = gqa_module.attention_with_kvcache(
+                q, k, v, cache_seqlens=lens, page_table=block_table, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+                causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                alibi_slopes=alibi_slopes, return_lse=return_attn_probs)
+        else:
+            result = gqa_module.attention_varlen(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                alibi_slopes=alibi_slopes, return_lse=return_attn_probs)
     except NotImplementedError as error:   # CUDA tensors: the kernels' gaps, named
         _unsupported(str(error).split("this call asks for ")[-1].split(". ")[0])
     if return_attn_probs:
