@@ -11,10 +11,11 @@ function then runs `gqa_module.attention` (causal aligned bottom-right, so a ste
 over a dynamic cache is served too), with the module's scaling and soft cap. Where transformers
 built a mask, the function serves it only after checking it element by element against one it
 can run: each batch row causal over its own span of keys (left padding before them, a static
-cache's unfilled slots after them, a sliding window inside), run row by row through
-`gqa_module.attention`; or sequences packed into one row by position_ids (transformers'
-padding-free collator), run through `gqa_module.attention_varlen`, as are the cu_seq_lens offsets
-that collator passes with return_flash_attn_kwargs (with no mask, or the same packing's). Any
+cache's unfilled slots after them, a sliding window or Llama 4's attention chunks inside), run
+row by row through `gqa_module.attention`; or sequences packed into one row by position_ids
+(transformers' padding-free collator), run through `gqa_module.attention_varlen`, as are the
+cu_seq_lens offsets that collator passes with return_flash_attn_kwargs (with no mask, or the same
+packing's). Any
 other mask or dropout is never served silently: by default it raises a ValueError naming what the
 library does not support; with `fallback="sdpa"` that call runs transformers' SDPA attention
 instead, and the first call of each kind says so on stderr. The checks read the mask on the host,
@@ -79,12 +80,13 @@ def _packed_offsets(query, key, attention_mask, kwargs, left):
     return torch.cat([torch.zeros(1, device=query.device), ends, torch.full((1,), T, device=query.device)]).to(torch.int32)
 
 
-def _row_spans(query, key, attention_mask, left):
+def _row_spans(query, key, attention_mask, left, chunk=None):
     """(first, end) per batch row where each row's mask is the causal one over its keys first ..
     end - 1, aligned bottom-right (left padding before them, a static cache's unfilled slots after
-    them), within `left` keys before each query where left is not None (a sliding window),
-    compared element by element; else None. Query rows that see no key (padding) must see none in
-    the mask either."""
+    them), within `left` keys before each query where left is not None (a sliding window), and
+    within the query's chunk of `chunk` keys counted from `first` where chunk is not None (Llama
+    4's chunked attention), compared element by element; else None. Query rows that see no key
+    (padding) must see none in the mask either."""
     if attention_mask is None or attention_mask.dtype != torch.bool or attention_mask.dim() != 4 \
             or attention_mask.shape[1] != 1:
         return None
@@ -102,6 +104,10 @@ def _row_spans(query, key, attention_mask, left):
     expected = (j >= first.view(B, 1, 1)) & (j <= aligned)
     if left is not None:
         expected &= j >= aligned - left
+    if chunk is not None:
+        start = first.view(B, 1, 1)
+        expected &= torch.div(j - start, chunk, rounding_mode="floor") == \
+            torch.div(aligned - start, chunk, rounding_mode="floor")
     if not bool((mask == expected).all()):
         return None
     return list(zip(first.tolist(), end.tolist()))
@@ -137,6 +143,11 @@ def _attention(name):
             packed = given
             kwargs = {word: item for word, item in kwargs.items() if not word.startswith("cu_seq_lens")}
         spans = _row_spans(query, key, attention_mask, left) if causal and packed is None else None
+        chunk = getattr(getattr(module, "config", None), "attention_chunk_size", None)
+        if spans is None and causal and packed is None and isinstance(chunk, int) and chunk > 0:
+            spans = _row_spans(query, key, attention_mask, left, chunk)   # Llama 4's chunked layers
+        else:
+            chunk = None
         verified = packed is not None or spans is not None
         reasons = _unsupported(module, query, key, value, None if verified else attention_mask, dropout, scaling,
                                None if verified else sliding_window, softcap, kwargs)
@@ -150,7 +161,8 @@ def _attention(name):
                                                    window_size=window, **options)[None], None
             if spans is not None:    # each row causal over its own keys; padding rows see none (0)
                 return torch.cat([gqa_module.attention(q[b:b + 1], k[b:b + 1, first:end], v[b:b + 1, first:end],
-                                                       causal=True, window_size=window, **options)
+                                                       causal=True, window_size=window, attention_chunk=chunk or 0,
+                                                       **options)
                                   for b, (first, end) in enumerate(spans)]), None
             # no mask: causal (aligned bottom-right) over every key, or none
             return gqa_module.attention(q, k, v, causal=causal, **options), None

@@ -1902,6 +1902,52 @@ def test_gpu_transformers_gemma2_softcap_and_windows_match_eager():
     gemma2_matches_eager("cuda")
 
 
+def llama4_matches_sdpa(device, dtype=torch.float32):
+    """Llama 4's text model (three chunked-attention layers of chunk 8, one full; GQA 4:2): a
+    training step's loss and gradients, a left-padded batch's logits, and greedy generate() over a
+    dynamic and a static cache, all served by the library (registered with no fallback: the chunked
+    masks are checked element by element and run as attention_chunk) and equal to SDPA's."""
+    import transformers
+    import gqa_transformers
+    name = gqa_transformers.register()
+    def model(attn):   # a config each: from_config records the implementation in the config
+        config = transformers.Llama4TextConfig(
+            vocab_size=128, hidden_size=64, intermediate_size=128, intermediate_size_mlp=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+            attention_chunk_size=8, num_local_experts=2, num_experts_per_tok=1, interleave_moe_layer_step=2)
+        torch.manual_seed(seed_of("tiny model", "llama4"))
+        return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn).to(device, dtype).eval()
+    ours, ref = model(name), model("sdpa")
+    assert ours.config.layer_types.count("chunked_attention") == 3
+    ids = torch.randint(0, 128, (2, 40), device=device)
+    (loss, grads), (ref_loss, ref_grads) = loss_and_grads(ours, ids), loss_and_grads(ref, ids)
+    assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6), (loss, ref_loss)
+    for key, grad in grads.items():
+        assert torch.allclose(grad, ref_grads[key], rtol=1e-4, atol=1e-5), key
+    mask = torch.ones(2, 40, dtype=torch.long, device=device)
+    mask[1, :5] = 0
+    with torch.no_grad():
+        got, want = ours(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits
+        assert torch.allclose(got[mask.bool()], want[mask.bool()], atol=1e-5)
+        kwargs = dict(attention_mask=mask[:, :20], max_new_tokens=12, do_sample=False)
+        for cache in ("dynamic", "static"):
+            assert torch.equal(ours.generate(ids[:, :20], cache_implementation=cache, **kwargs),
+                               ref.generate(ids[:, :20], cache_implementation=cache, **kwargs)), cache
+
+
+@needs_transformers
+def test_transformers_llama4_chunked_attention_matches_sdpa():
+    """Llama 4 on the CPU path: llama4_matches_sdpa."""
+    llama4_matches_sdpa("cpu")
+
+
+@needs_gpu
+@needs_transformers
+def test_gpu_transformers_llama4_chunked_attention_matches_sdpa():
+    """Llama 4 on CUDA tensors in fp32 (attention_chunk through PyTorch on the GPU): llama4_matches_sdpa."""
+    llama4_matches_sdpa("cuda")
+
+
 @needs_transformers
 def test_transformers_never_drops_a_mask():
     """What the library does not compute raises a ValueError naming it: packed sequences in two
