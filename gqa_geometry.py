@@ -12,7 +12,11 @@ formed, their rules (one copy, here), and the PyTorch implementation that CPU te
 - Scores are q . k * softmax_scale (default 1 / sqrt(D)), then softcap * tanh(score / softcap)
   when softcap > 0, then - alibi_slopes[h] * |i + Tk - Tq - j| (FlashAttention 2's ALiBi, slopes
   per query head, or per batch row and query head) where alibi_slopes is given.
-- A row that sees no key gives an output of 0 and a log-sum-exp of -inf (FlashAttention-3's rule).
+- learnable_sink (FlashAttention 4's, gpt-oss's attention sinks: a logit per query head, [Hq])
+  joins each row's softmax as one more term that weighs no value: the keys' weights are
+  exp(s_j) / (sum of exp(s) + exp(sink)), and the log-sum-exp includes the sink.
+- A row that sees no key gives an output of 0 and a log-sum-exp of -inf (FlashAttention-3's rule;
+  with a sink, the sink's logit).
 - The log-sum-exp is the natural log, laid out [B, Hq, Tq] as FlashAttention's, in float32
   (float64 for float64 inputs).
 - Packed sequences (attention_varlen, flash_attn_varlen_func's conventions): q [total_q, Hq, D],
@@ -129,9 +133,10 @@ def widen_float8(q, k, v, descales, entry, packed=None):
     return tuple(wide)
 
 
-# chunk: FlashAttention 3's attention_chunk (0: none); alibi: [1 or B, Hq] slopes, or None
-Geometry = collections.namedtuple("Geometry", "Tq Tk causal left right scale softcap return_lse chunk alibi",
-                                  defaults=(0, None))
+# chunk: FlashAttention 3's attention_chunk (0: none); alibi: [1 or B, Hq] slopes, or None; sink:
+# the learnable sink's [Hq] logits, or None
+Geometry = collections.namedtuple("Geometry", "Tq Tk causal left right scale softcap return_lse chunk alibi sink",
+                                  defaults=(0, None, None))
 Sequence = collections.namedtuple("Sequence", "q0 Tq k0 Tk")   # one sequence of a packed call
 
 
@@ -163,7 +168,8 @@ def _window_side(name, side, x):
     return value
 
 
-def arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse, attention_chunk=0, alibi_slopes=None):
+def arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse, attention_chunk=0, alibi_slopes=None,
+              learnable_sink=None):
     """The checked geometry of a call on q [B, Tq, Hq, D] and k [B, Tk, Hkv, D] (their shapes are
     the tensor rules' to check): a Geometry, or a TypeError or ValueError naming the argument. A
     chunk that holds every key for every query (Tq <= Tk <= chunk) is none."""
@@ -205,7 +211,18 @@ def arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse, att
     if alibi_slopes is not None:
         alibi_rows(alibi_slopes, q, q.shape[0], q.shape[2])   # the slopes' rules
         alibi = alibi_slopes.reshape(-1, q.shape[2])
-    return Geometry(Tq, Tk, causal, left, right, scale, float(softcap), return_lse, chunk, alibi)
+    sink = None
+    if learnable_sink is not None:
+        if not isinstance(learnable_sink, torch.Tensor):
+            raise TypeError("attention: learnable_sink must be a torch.Tensor or None, got %s"
+                            % type(learnable_sink).__name__)
+        if not learnable_sink.is_floating_point() or tuple(learnable_sink.shape) != (q.shape[2],) or \
+                learnable_sink.device != q.device:
+            raise ValueError("attention: learnable_sink must be a floating tensor of shape (Hq,) = (%d,) on q's "
+                             "device %s, got %s of shape %s on %s" % (q.shape[2], q.device, learnable_sink.dtype,
+                                                                    tuple(learnable_sink.shape), learnable_sink.device))
+        sink = learnable_sink
+    return Geometry(Tq, Tk, causal, left, right, scale, float(softcap), return_lse, chunk, alibi, sink)
 
 
 def alibi_rows(x, q, batch, Hq, entry="attention"):
@@ -275,6 +292,10 @@ def attention_torch(q, k, v, geo):
     ka, va = k.to(acc).permute(0, 2, 1, 3), v.to(acc).permute(0, 2, 1, 3)
     finite = Tq == 0 or all(bool(torch.isfinite(t).all()) for t in (q, k, v))
     out, lse = (_dense if finite else _row_by_row)(geo, qa, ka, va)
+    if geo.sink is not None:   # the sink joins each row's normaliser: the keys' weights shrink by exp(lse - total)
+        total = torch.logaddexp(lse, geo.sink.to(acc).view(1, Hkv, group, 1))
+        out = out * torch.exp(lse - total).unsqueeze(-1)
+        lse = total
     out = out.permute(0, 3, 1, 2, 4).reshape(B, Tq, Hq, v.shape[3]).to(q.dtype)
     return out, lse.reshape(B, Hq, Tq)
 
@@ -361,6 +382,8 @@ def cuda_gap(geo, D):
         return "attention_chunk=%d" % geo.chunk
     if geo.alibi is not None:
         return "alibi_slopes"
+    if geo.sink is not None:
+        return "learnable_sink"
     return None
 
 

@@ -733,23 +733,25 @@ def causal_gqa_attention(q, k, v):
 
 # bundle: begin general-entry
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, attention_chunk=0,
-              alibi_slopes=None, return_lse=False, q_descale=None, k_descale=None, v_descale=None, qv=None):
+              alibi_slopes=None, return_lse=False, q_descale=None, k_descale=None, v_descale=None, qv=None,
+              learnable_sink=None):
     """Attention with FlashAttention's arguments and meanings (gqa_geometry.py states them): q
     [B, Tq, Hq, D], k [B, Tk, Hkv, D] and v [B, Tk, Hkv, Dv] -> out [B, Tq, Hq, Dv] in q's dtype, or
     (out, lse [B, Hq, Tq]) with return_lse=True. causal defaults to False, as flash_attn_func's
     does. float8 inputs (FlashAttention 3's, with q_descale, k_descale and v_descale) are widened
     to bfloat16 by their descales and give a bfloat16 output (gqa_geometry.widen_float8); qv is
-    FlashAttention 3's (scores q . k + qv . v).
+    FlashAttention 3's (scores q . k + qv . v); learnable_sink FlashAttention 4's ([Hq] logits
+    that join each row's softmax, gpt-oss's attention sinks).
 
     CPU tensors run every option through PyTorch (differentiable, the log-sum-exp too). CUDA
     tensors run the kernels of causal_gqa_attention for causal attention with Tq = Tk (causal=True,
     or a window that equals it), the default softmax_scale (within float32 rounding) and no
     log-sum-exp output; every other option but softcap, attention_chunk (FlashAttention 3's
-    chunked attention), alibi_slopes (FlashAttention 2's ALiBi), qv and Dv != D runs the row-wise
-    kernels of any geometry (slower; the log-sum-exp not differentiable there). No kernel computes
-    those yet: a CUDA call with any of them runs the CPU path's PyTorch code on the GPU (correct and
-    differentiable, but unfused: it holds a kv head's [B, group, Tq, Tk] scores in float32 for a
-    block of query rows at a time, and recomputes each block in the backward)."""
+    chunked attention), alibi_slopes (FlashAttention 2's ALiBi), learnable_sink, qv and Dv != D runs
+    the row-wise kernels of any geometry (slower; the log-sum-exp not differentiable there). No
+    kernel computes those yet: a CUDA call with any of them runs the CPU path's PyTorch code on the
+    GPU (correct and differentiable, but unfused: it holds a kv head's [B, group, Tq, Tk] scores in
+    float32 for a block of query rows at a time, and recomputes each block in the backward)."""
     import gqa_geometry
 
     _require_tensors(q, k, v, "attention")
@@ -758,7 +760,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     if _on_cuda(q, k, v) and qv is None and not gqa_geometry.split_value_dim(k, v):
         if q.dim() == 4 and k.dim() == 4:
             geo = gqa_geometry.arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse, attention_chunk,
-                                         alibi_slopes)
+                                         alibi_slopes, learnable_sink)
             if gqa_geometry.cuda_gap(geo, q.shape[3]):
                 _check_attention_inputs(q, k, v, "attention")
                 return _attention_through_pytorch(q, k, v, geo)
@@ -771,7 +773,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     if qv is not None:   # q . k + qv . v: q beside qv against k beside v
         q, k = torch.cat([q, qv], dim=-1), torch.cat([k, v], dim=-1)
     geo = gqa_geometry.arguments(q, k, causal, softmax_scale, window_size, softcap, return_lse, attention_chunk,
-                                 alibi_slopes)
+                                 alibi_slopes, learnable_sink)
     return _attention_through_pytorch(q, k, v, geo)
 
 
@@ -798,7 +800,7 @@ def _attention_through_pytorch(q, k, v, geo):
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      softmax_scale=None, window_size=(-1, -1), softcap=0.0, attention_chunk=0, alibi_slopes=None,
                      seqused_k=None, return_lse=False, seqused_q=None, q_descale=None, k_descale=None, v_descale=None,
-                     qv=None):
+                     qv=None, learnable_sink=None):
     """Packed sequences with flash_attn_varlen_func's arguments and meanings (gqa_geometry.py):
     q [total_q, Hq, D], k [total_k, Hkv, D] and v [total_k, Hkv, Dv] (qv, where given, [total_q,
     Hq, Dv]), int32 cu_seqlens_q and cu_seqlens_k of batch + 1 offsets, optional int32 seqused_q and seqused_k (FlashAttention 3's: the first seqused_q[b]
@@ -824,7 +826,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if not _on_cuda(q, k, v):
         _check_attention_inputs(q[None], k[None], v[None], "attention_varlen")
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                   attention_chunk=attention_chunk)
+                   attention_chunk=attention_chunk, learnable_sink=learnable_sink)
     gqa_geometry.arguments(q[None], k[None], return_lse=return_lse, **options)   # the options' rules, once
     slopes = gqa_geometry.alibi_rows(alibi_slopes, q, len(seqs), q.shape[1], "attention_varlen")   # per sequence
 
@@ -849,7 +851,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
                            cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None, rotary_seqlens=None,
                            causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, attention_chunk=0,
                            alibi_slopes=None, rotary_interleaved=True, return_lse=False, q_descale=None,
-                           k_descale=None, v_descale=None):
+                           k_descale=None, v_descale=None, learnable_sink=None):
     """Attention over a KV cache with flash_attn_with_kvcache's arguments and meanings
     (gqa_geometry.py): q [B, Tq, Hq, D]; k_cache and v_cache [B_cache, Tk_max, Hkv, D], or with
     page_table (int32 [B, pages]) pools [pages, page_size, Hkv, D]; k and v [B, Tnew, Hkv, D], if
@@ -919,7 +921,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, rotary_cos=No
     row_descales = [dict(zip(("q_descale", "k_descale", "v_descale"), (None if d is None else d[b:b + 1]
                                                                        for d in descales))) for b in range(B)]
     options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                   attention_chunk=attention_chunk, return_lse=return_lse)
+                   attention_chunk=attention_chunk, return_lse=return_lse, learnable_sink=learnable_sink)
     q4 = q[None] if packed_q else q
     geo = gqa_geometry.arguments(q4, q4, **options)   # the options' rules, before the caches change
     slopes = gqa_geometry.alibi_rows(alibi_slopes, q, B, q.shape[-2], entry)   # per batch row

@@ -8,7 +8,8 @@
 `AttentionInterface` and `AttentionMaskInterface`). The mask function is transformers' own SDPA
 mask, which comes out as None exactly where the causal mask alone is the mask; the attention
 function then runs `gqa_module.attention` (causal aligned bottom-right, so a step of generation
-over a dynamic cache is served too), with the module's scaling and soft cap. Where transformers
+over a dynamic cache is served too), with the module's scaling, soft cap and attention sinks
+(gpt-oss's s_aux, as learnable_sink). Where transformers
 built a mask, the function serves it only after checking it element by element against one it
 can run: each batch row causal over its own span of keys (left padding before them, a static
 cache's unfilled slots after them, a sliding window or Llama 4's attention chunks inside), run
@@ -50,8 +51,8 @@ def _unsupported(module, query, key, value, attention_mask, dropout, scaling, sl
         reasons.append("attention dropout (%g)" % dropout)
     if kwargs.get("output_attentions"):
         reasons.append("output_attentions")
-    if kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None:
-        reasons.append("a score bias or attention sinks")
+    if kwargs.get("position_bias") is not None:
+        reasons.append("a score bias")
     if not query.shape[-1] == key.shape[-1] == value.shape[-1]:
         reasons.append("different query, key and value head dims")
     return reasons
@@ -153,7 +154,7 @@ def _attention(name):
                                None if verified else sliding_window, softcap, kwargs)
         if not reasons:
             q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-            options = dict(softmax_scale=scaling, softcap=softcap or 0.0)
+            options = dict(softmax_scale=scaling, softcap=softcap or 0.0, learnable_sink=kwargs.get("s_aux"))
             window = (-1 if left is None else left, 0)
             if packed is not None:   # causal within each packed sequence
                 longest = int((packed[1:] - packed[:-1]).max())

@@ -75,7 +75,8 @@ def causal_gqa_reference(q, k, v, attended_only=False):
     return out
 
 
-def attention_ref(q, k, v, causal=True, window=(-1, -1), scale=None, softcap=0.0, chunk=0, alibi=None, qv=None):
+def attention_ref(q, k, v, causal=True, window=(-1, -1), scale=None, softcap=0.0, chunk=0, alibi=None, qv=None,
+                  sink=None):
     """Attention in float64 with FlashAttention's arguments and meanings, the reference for every
     mask: q [B, Tq, Hq, D], k [B, Tk, Hkv, D] and v [B, Tk, Hkv, Dv] (query head h reads kv head h //
     (Hq // Hkv)); qv [B, Tq, Hq, Dv] (FlashAttention 3's) adds qv . v to q . k.
@@ -87,7 +88,8 @@ def attention_ref(q, k, v, causal=True, window=(-1, -1), scale=None, softcap=0.0
     (chunks start at multiples of chunk; a negative aligned key's chunk holds no key). Scores are
     (q . k + qv . v) * scale (default 1/sqrt(D), or 1/sqrt(D + Dv) with qv), then softcap * tanh(score / softcap) when softcap > 0, then
     minus alibi[b, h] * |i + Tk - Tq - j| where alibi ([Hq] or [B, Hq] slopes) is given. A row
-    that sees no key gives 0 and a log-sum-exp of -inf. Returns (out [B, Tq, Hq, Dv], lse [B, Hq, Tq],
+    that sees no key gives 0 and a log-sum-exp of -inf. sink ([Hq] logits) joins each row's softmax
+    as one more column that weighs no value (the log-sum-exp includes it). Returns (out [B, Tq, Hq, Dv], lse [B, Hq, Tq],
     natural log), float64.
     As causal_gqa_reference, inputs holding Inf or NaN take loops over the keys each row sees, so
     a masked key's 0 weight never multiplies them."""
@@ -121,18 +123,23 @@ def attention_ref(q, k, v, causal=True, window=(-1, -1), scale=None, softcap=0.0
             s = s - slopes[:, h].view(-1, *([1] * (s.dim() - 1))) * distance[rows, keys]
         return s
     finite = all(bool(torch.isfinite(t).all()) for t in (q64, k64, v64) + (() if qv is None else (qv64,)))
+    def with_sink(s, h):   # the sink's column after the keys' scores
+        return s if sink is None else torch.cat([s, sink[h].double().expand(*s.shape[:-1], 1)], dim=-1)
     for h in range(Hq):
         kv = h // group
         if finite:
-            s = capped(dot(slice(None), h, kv) * scale, h).masked_fill(~sees, -math.inf)
+            s = with_sink(capped(dot(slice(None), h, kv) * scale, h).masked_fill(~sees, -math.inf), h)
             row_lse = torch.logsumexp(s, dim=-1)
-            p = torch.exp(s - row_lse.unsqueeze(-1)).nan_to_num(0.0)   # rows that see no key: 0
+            p = torch.exp(s - row_lse.unsqueeze(-1)).nan_to_num(0.0)[..., :Tk]   # rows that see no key: 0
             out[:, :, h], lse[:, h] = p @ v64[:, :, kv], row_lse
             continue
         for t in range(Tq):
             keys = sees[t].nonzero().flatten()
             if keys.numel() > 0:
-                s = capped(dot(t, h, kv, keys) * scale, h, t, keys)
+                s = with_sink(capped(dot(t, h, kv, keys) * scale, h, t, keys), h)
                 lse[:, h, t] = torch.logsumexp(s, dim=-1)
-                out[:, t, h] = torch.einsum("bs,bsd->bd", torch.softmax(s, dim=-1), v64[:, keys, kv])
+                out[:, t, h] = torch.einsum("bs,bsd->bd", torch.softmax(s, dim=-1)[..., :keys.numel()],
+                                            v64[:, keys, kv])
+            elif sink is not None:
+                lse[:, h, t] = sink[h].double()
     return out, lse

@@ -975,6 +975,43 @@ def test_value_head_dim_and_qv_match_float64():
         assert torch.equal(got[span], alone[0]), b
 
 
+def test_learnable_sink_matches_float64():
+    """learnable_sink (FlashAttention 4's, gpt-oss's attention sinks: a logit per query head that
+    joins each row's softmax and weighs no value): attention() against reference.attention_ref for
+    every mask of MASKS at every (Tq, Tk) of LENGTHS, rows that see no key 0 with the sink's logit
+    as their log-sum-exp; Inf and NaN in v (the row-by-row path) where the reference puts them;
+    gradcheck through q, k, v and the sink; a sink of shape other than (Hq,) named."""
+    gen = torch.Generator().manual_seed(seed_of("learnable sink"))
+    sink = torch.randn(6, generator=gen, dtype=torch.float64) * 3
+    for Tq, Tk in LENGTHS:
+        q, k, v = masked_qkv(2, Tq, Tk, 6, 2, 23, torch.float64)
+        for causal, window, scale, softcap in MASKS:
+            what = (Tq, Tk, causal, window, scale, softcap)
+            out, lse = gqa_module.attention(q, k, v, causal=causal, window_size=window, softmax_scale=scale,
+                                            softcap=softcap, learnable_sink=sink, return_lse=True)
+            geo = geometry_of(q, k, causal, window, scale, softcap)
+            ref_out, ref_lse = reference.attention_ref(q, k, v, causal=causal, window=(geo.left, geo.right),
+                                                       scale=scale, softcap=softcap, sink=sink)
+            assert torch.allclose(out, ref_out, rtol=0, atol=1e-12), what
+            assert torch.allclose(lse, ref_lse, rtol=0, atol=1e-12), what
+    q, k, v = masked_qkv(1, 30, 30, 6, 2, 16, torch.float64)
+    v[0, 7, 1, 3], v[0, 20, 0, 5] = INF, NAN
+    out = gqa_module.attention(q, k, v, causal=True, window_size=(9, 0), learnable_sink=sink)
+    ref_out, _ = reference.attention_ref(q, k, v, causal=True, window=(9, 0), sink=sink)
+    for test in (torch.isnan, torch.isposinf, torch.isneginf):
+        assert torch.equal(test(out), test(ref_out)), test.__name__
+    finite = torch.isfinite(ref_out)
+    assert torch.allclose(out[finite], ref_out[finite], rtol=0, atol=1e-12)
+    leaves = [torch.randn(1, 9, h, 5, generator=gen, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2)]
+    logits = torch.randn(4, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda q, k, v, s: gqa_module.attention(q, k, v, causal=True, learnable_sink=s),
+                                    (*leaves, logits))
+    with pytest.raises(ValueError, match=r"learnable_sink must be a floating tensor of shape \(Hq,\) = \(6,\)"):
+        gqa_module.attention(q, k, v, learnable_sink=sink[:4])
+    with pytest.raises(TypeError, match="learnable_sink must be a torch.Tensor"):
+        gqa_module.attention(q, k, v, learnable_sink=[0.0] * 6)
+
+
 def test_value_head_dim_and_qv_rules_name_the_argument():
     """qv of the wrong shape, dtype or type, qv beside float8 inputs, and a v that differs from k
     in more than its head_dim: each a ValueError or TypeError naming it."""
@@ -1537,8 +1574,8 @@ def test_gpu_fp32_backward_on_uneven_inputs_within_4x_of_sdpa(shape):
 @needs_gpu
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 def test_gpu_options_without_kernels_match_float64(dtype, tol):
-    """The options no CUDA kernel computes (softcap, ALiBi, attention_chunk, head_dim_v != head_dim,
-    qv; PyTorch's ops on the GPU) on CUDA tensors: outputs and log-sum-exps row by row against
+    """The options no CUDA kernel computes (softcap, ALiBi, attention_chunk, learnable_sink,
+    head_dim_v != head_dim, qv; PyTorch's ops on the GPU) on CUDA tensors: outputs and log-sum-exps row by row against
     reference.attention_ref, and dq, dk, dv against float64 autograd of the CPU path, row by row."""
     gen = torch.Generator().manual_seed(seed_of("gpu options", dtype))
     q, k, _ = masked_qkv(2, 65, 63, 6, 2, 23, dtype)
@@ -1546,7 +1583,8 @@ def test_gpu_options_without_kernels_match_float64(dtype, tol):
     qv = torch.randn(2, 65, 6, 40, generator=gen).to(dtype)
     slopes = torch.rand(6, generator=gen)
     for v, extra in ((q[:, :63, :2], dict(softcap=3.0, window_size=(20, 5))), (q[:, :63, :2], dict(attention_chunk=16)),
-                     (q[:, :63, :2], dict(alibi_slopes=slopes)), (v40, dict()), (v40, dict(qv=qv))):
+                     (q[:, :63, :2], dict(alibi_slopes=slopes)), (q[:, :63, :2], dict(learnable_sink=slopes - 0.5)),
+                     (v40, dict()), (v40, dict(qv=qv))):
         leaves = [t.cuda().requires_grad_(True) for t in (q, k, v)]
         cuda_extra = {n: x.cuda() if isinstance(x, torch.Tensor) else x for n, x in extra.items()}
         out, lse = gqa_module.attention(*leaves, causal=True, return_lse=True, **cuda_extra)
@@ -1747,14 +1785,17 @@ needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers")
 
 
 def tiny_causal_lm(family, attn, **overrides):
-    """A random-init Llama, Qwen2, Mistral or Gemma 2 with GQA (4 query heads, 2 kv heads, head_dim
-    16), the same weights for every `attn` (seeded), in eval mode (no dropout)."""
+    """A random-init Llama, Qwen2, Mistral, Gemma 2 or gpt-oss (two experts, one a token) with GQA (4
+    query heads, 2 kv heads, head_dim 16), the same weights for every `attn` (seeded), in eval mode
+    (no dropout)."""
     import transformers
     config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                    "mistral": transformers.MistralConfig, "gemma2": transformers.Gemma2Config}[family]
+                    "mistral": transformers.MistralConfig, "gemma2": transformers.Gemma2Config,
+                    "gpt_oss": transformers.GptOssConfig}[family]
     config = config_class(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                          **dict(dict(head_dim=16), **overrides))
+                          **dict(dict(head_dim=16), **(dict(num_local_experts=2, num_experts_per_tok=1)
+                                                      if family == "gpt_oss" else {}), **overrides))
     torch.manual_seed(seed_of("tiny model", family))
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
 
@@ -1871,14 +1912,15 @@ def test_transformers_padding_windows_and_caches_match_sdpa(family, window):
         assert torch.allclose(grad, ref_grads[key], rtol=1e-4, atol=1e-6), key
 
 
-def gemma2_matches_eager(device, dtype=torch.float32):
-    """Gemma 2 (a soft cap of 50 on the scores; its layers alternate a sliding window of 8 and full
-    attention; no SDPA in transformers, so eager attention is the peer): a training step's loss
-    and gradients and greedy generate() over a dynamic cache against eager attention's."""
+def matches_eager(family, device, dtype=torch.float32):
+    """Gemma 2 (a soft cap of 50 on the scores) or gpt-oss (attention sinks), their layers
+    alternating a sliding window of 8 and full attention, with eager attention as the peer (neither
+    has SDPA in transformers): a training step's loss and gradients and greedy generate() over a
+    dynamic cache against eager attention's."""
     import gqa_transformers
     name = gqa_transformers.register()
-    ours, ref = (tiny_causal_lm("gemma2", attn, sliding_window=8).to(device, dtype) for attn in (name, "eager"))
-    assert ours.config.attn_logit_softcapping == 50.0
+    ours, ref = (tiny_causal_lm(family, attn, sliding_window=8).to(device, dtype) for attn in (name, "eager"))
+    assert "sliding_attention" in ours.config.layer_types
     ids = torch.randint(0, 128, (2, 40), device=device)
     (loss, grads), (ref_loss, ref_grads) = loss_and_grads(ours, ids), loss_and_grads(ref, ids)
     assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6), (loss, ref_loss)
@@ -1890,16 +1932,19 @@ def gemma2_matches_eager(device, dtype=torch.float32):
 
 
 @needs_transformers
-def test_transformers_gemma2_softcap_and_windows_match_eager():
-    """Gemma 2 on the CPU path: gemma2_matches_eager."""
-    gemma2_matches_eager("cpu")
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_transformers_softcap_and_sinks_match_eager(family):
+    """Gemma 2's soft cap and gpt-oss's attention sinks on the CPU path: matches_eager."""
+    matches_eager(family, "cpu")
 
 
 @needs_gpu
 @needs_transformers
-def test_gpu_transformers_gemma2_softcap_and_windows_match_eager():
-    """Gemma 2 on CUDA tensors in fp32 (softcap through PyTorch on the GPU): gemma2_matches_eager."""
-    gemma2_matches_eager("cuda")
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_gpu_transformers_softcap_and_sinks_match_eager(family):
+    """Gemma 2 and gpt-oss on CUDA tensors in fp32 (softcap and sinks through PyTorch on the GPU):
+    matches_eager."""
+    matches_eager(family, "cuda")
 
 
 def llama4_matches_sdpa(device, dtype=torch.float32):
