@@ -9,18 +9,17 @@
 mask, which comes out as None exactly where the causal mask alone is the mask; the attention
 function then runs `gqa_module.attention` (causal aligned bottom-right, so a step of generation
 over a dynamic cache is served too), with the module's scaling, soft cap and attention sinks
-(gpt-oss's s_aux, as learnable_sink). Where transformers
-built a mask, the function serves it only after checking it element by element against one it
-can run: each batch row causal over its own span of keys (left padding before them, a static
-cache's unfilled slots after them, a sliding window or Llama 4's attention chunks inside), run
-row by row through `gqa_module.attention`; or sequences packed into one row by position_ids
-(transformers' padding-free collator), run through `gqa_module.attention_varlen`, as are the
-cu_seq_lens offsets that collator passes with return_flash_attn_kwargs (with no mask, or the same
-packing's). Any
-other mask or dropout is never served silently: by default it raises a ValueError naming what the
-library does not support; with `fallback="sdpa"` that call runs transformers' SDPA attention
-instead, and the first call of each kind says so on stderr. The checks read the mask on the host,
-so under torch.compile a masked call takes the fallback (or a graph break).
+(gpt-oss's s_aux, as learnable_sink). Where transformers built a mask, the function serves it only
+after checking it element by element against one it can run: each batch row causal over its own
+span of keys (left padding before them, a static cache's unfilled slots after them, a sliding
+window or Llama 4's attention chunks inside), run row by row through `gqa_module.attention`; or
+sequences packed into one row by position_ids (transformers' padding-free collator), run through
+`gqa_module.attention_varlen`, as are the cu_seq_lens offsets that collator passes with
+return_flash_attn_kwargs (with no mask, or the same packing's). Any other mask or dropout is never
+served silently: by default it raises a ValueError naming what the library does not support; with
+`fallback="sdpa"` that call runs transformers' SDPA attention instead, and the first call of each
+kind says so on stderr. The checks read the mask on the host, so under torch.compile a masked call
+takes the fallback (or a graph break).
 """
 
 import sys
