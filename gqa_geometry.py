@@ -112,7 +112,8 @@ def widen_float8(q, k, v, descales, entry, packed=None):
                                  % (entry, name, q.dtype))
         return q, k, v
     if not q.dtype == k.dtype == v.dtype:
-        raise ValueError("%s: q, k and v must share one dtype, got q %s, k %s, v %s" % (entry, q.dtype, k.dtype, v.dtype))
+        raise ValueError("%s: q, k and v must share one dtype, got q %s, k %s, v %s"
+                         % (entry, q.dtype, k.dtype, v.dtype))
     dims = 4 if packed is None else 3
     if q.dim() != dims or k.dim() != dims or v.shape != k.shape or k.shape[-2] < 1 or q.shape[-2] % k.shape[-2]:
         return q, k, v

@@ -803,10 +803,11 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                      qv=None, learnable_sink=None):
     """Packed sequences with flash_attn_varlen_func's arguments and meanings (gqa_geometry.py):
     q [total_q, Hq, D], k [total_k, Hkv, D] and v [total_k, Hkv, Dv] (qv, where given, [total_q,
-    Hq, Dv]), int32 cu_seqlens_q and cu_seqlens_k of batch + 1 offsets, optional int32 seqused_q and seqused_k (FlashAttention 3's: the first seqused_q[b]
-    queries and seqused_k[b] keys of sequence b are its sequence; its other query rows give 0) ->
-    out [total_q, Hq, Dv], or (out, lse [Hq, total_q]). Every option of attention() applies within
-    each sequence (causal aligned bottom-right per sequence); float8 descales are [batch, Hkv].
+    Hq, Dv]), int32 cu_seqlens_q and cu_seqlens_k of batch + 1 offsets, optional int32 seqused_q
+    and seqused_k (FlashAttention 3's: the first seqused_q[b] queries and seqused_k[b] keys of
+    sequence b are its sequence; its other query rows give 0) -> out [total_q, Hq, Dv], or (out,
+    lse [Hq, total_q]). Every option of attention() applies within each sequence (causal aligned
+    bottom-right per sequence); float8 descales are [batch, Hkv].
 
     This version runs one attention() call per sequence (on CUDA tensors, attention()'s kernels,
     the row-wise ones where a sequence is not causal with Tq = Tk), after reading the offsets to

@@ -86,11 +86,11 @@ def attention_ref(q, k, v, causal=True, window=(-1, -1), scale=None, softcap=0.0
     right) where -1 means unbounded; causal=True sets right to 0; with chunk > 0 (FlashAttention 3's
     attention_chunk) only where j also lies in the chunk of `chunk` keys that holds key i + Tk - Tq
     (chunks start at multiples of chunk; a negative aligned key's chunk holds no key). Scores are
-    (q . k + qv . v) * scale (default 1/sqrt(D), or 1/sqrt(D + Dv) with qv), then softcap * tanh(score / softcap) when softcap > 0, then
-    minus alibi[b, h] * |i + Tk - Tq - j| where alibi ([Hq] or [B, Hq] slopes) is given. A row
-    that sees no key gives 0 and a log-sum-exp of -inf. sink ([Hq] logits) joins each row's softmax
-    as one more column that weighs no value (the log-sum-exp includes it). Returns (out [B, Tq, Hq, Dv], lse [B, Hq, Tq],
-    natural log), float64.
+    (q . k + qv . v) * scale (default 1/sqrt(D), or 1/sqrt(D + Dv) with qv), then softcap *
+    tanh(score / softcap) when softcap > 0, then minus alibi[b, h] * |i + Tk - Tq - j| where alibi
+    ([Hq] or [B, Hq] slopes) is given. A row that sees no key gives 0 and a log-sum-exp of -inf.
+    sink ([Hq] logits) joins each row's softmax as one more column that weighs no value (the
+    log-sum-exp includes it). Returns (out [B, Tq, Hq, Dv], lse [B, Hq, Tq], natural log), float64.
     As causal_gqa_reference, inputs holding Inf or NaN take loops over the keys each row sees, so
     a masked key's 0 weight never multiplies them."""
     B, Tq, Hq, D = q.shape

@@ -1118,7 +1118,8 @@ def test_float8_rules_name_the_argument():
              (lambda: gqa_module.attention(q, k, v, q_descale=d[:1]), ValueError,
               r"q_descale must be float32 of shape \(batch, Hkv\) = \(2, 2\)"),
              (lambda: gqa_module.attention(q, k, v, v_descale=d.double()), ValueError, "v_descale must be float32"),
-             (lambda: gqa_module.attention(q, k, v, q_descale=[1.0, 2.0]), TypeError, "q_descale must be a torch.Tensor"),
+             (lambda: gqa_module.attention(q, k, v, q_descale=[1.0, 2.0]), TypeError,
+              "q_descale must be a torch.Tensor"),
              (lambda: gqa_module.attention_varlen(q[0], k[0], v[0], cu, cu, 5, 5, k_descale=torch.rand(3, 2)),
               ValueError, r"attention_varlen: k_descale must be float32 of shape \(batch, Hkv\) = \(2, 2\)"),
              (lambda: gqa_module.attention_with_kvcache(q, k, v, cache_seqlens=3, q_descale=torch.rand(1, 2)),
@@ -1153,7 +1154,8 @@ def test_attention_varlen_nonfinite_stays_in_its_sequence():
 def test_attention_varlen_rules_name_the_argument():
     """Offsets as FlashAttention takes them (1-D int32 on q's device, from 0, never decreasing,
     within the tensors), max_seqlen_q/k at least the longest sequence, seqused_q and seqused_k
-    within each sequence's queries and keys, 3-D tensors: each broken rule a ValueError or TypeError naming the argument."""
+    within each sequence's queries and keys, 3-D tensors: each broken rule a ValueError or
+    TypeError naming the argument."""
     q, k, v, cu_q, cu_k = packed_qkv([(3, 4), (5, 2)], 4, 2, 8, torch.float32)
     call = lambda **over: gqa_module.attention_varlen(**{**dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                                                                   max_seqlen_q=5, max_seqlen_k=4), **over})

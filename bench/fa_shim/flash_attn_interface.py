@@ -14,31 +14,23 @@ def _unsupported(feature):
     pytest.skip("unsupported: " + feature)
 
 
-def _served(call):
-    try:
-        return call()
-    except NotImplementedError as error:   # CUDA tensors: the kernels' gaps, named
-        _unsupported(str(error).split("this call asks for ")[-1].split(". ")[0])
-
-
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None, v_descale=None,
                     window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None,
                     deterministic=False, sm_margin=0, return_attn_probs=False):
-    return _served(lambda: gqa_module.attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                                window_size=window_size, softcap=softcap, attention_chunk=attention_chunk,
-                                                return_lse=return_attn_probs, q_descale=q_descale,
-                                                k_descale=k_descale, v_descale=v_descale, qv=qv))
+    return gqa_module.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                softcap=softcap, attention_chunk=attention_chunk, return_lse=return_attn_probs,
+                                q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, qv=qv)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
                            seqused_k=None, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
                            v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
                            pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
-    return _served(lambda: gqa_module.attention_varlen(
+    return gqa_module.attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
         window_size=window_size, softcap=softcap, attention_chunk=attention_chunk, seqused_q=seqused_q,
         seqused_k=seqused_k, return_lse=return_attn_probs, q_descale=q_descale, k_descale=k_descale,
-        v_descale=v_descale, qv=qv))
+        v_descale=v_descale, qv=qv)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
@@ -50,13 +42,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                             return_softmax_lse=False):
     if qv is not None:
         _unsupported("qv over a KV cache")
-    return _served(lambda: gqa_module.attention_with_kvcache(
+    return gqa_module.attention_with_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved,
         rotary_seqlens=rotary_seqlens, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k_new=cu_seqlens_k_new,
         max_seqlen_q=max_seqlen_q, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
         cache_leftpad=cache_leftpad, page_table=page_table, causal=causal, softmax_scale=softmax_scale,
         window_size=window_size, softcap=softcap, attention_chunk=attention_chunk, return_lse=return_softmax_lse,
-        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale))
+        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
 
 
 def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):

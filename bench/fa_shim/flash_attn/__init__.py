@@ -19,15 +19,8 @@ def _unsupported(feature):
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs):
     if dropout_p:
         _unsupported("dropout")
-    try:
-        result = gqa_module.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
-                                      softcap=softcap, alibi_slopes=alibi_slopes, return_lse=return_attn_probs)
-    except NotImplementedError as error:   # CUDA tensors: the kernels' gaps, named
-        _unsupported(str(error).split("this call asks for ")[-1].split(". ")[0])
-    except ValueError as error:   # the input rules of a version whose attention() takes Tq = Tk only
-        if "sequence length T" not in str(error):
-            raise
-        _unsupported("seqlen_q != seqlen_k")
+    result = gqa_module.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                  softcap=softcap, alibi_slopes=alibi_slopes, return_lse=return_attn_probs)
     if return_attn_probs:
         out, lse = result
         return out, lse, None   # S_dmask: only read by the dropout tests
@@ -56,20 +49,14 @@ def _attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
                       causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table=None):
     if dropout_p:
         _unsupported("dropout")
-    try:
-        if block_table is not None:   # k and v are pools of pages: attention_with_kvcache's packed rows over them
-            lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
-            result = gqa_module.attention_with_kvcache(
-                q, k, v, cache_seqlens=lens, page_table=block_table, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
-                causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                alibi_slopes=alibi_slopes, return_lse=return_attn_probs)
-        else:
-            result = gqa_module.attention_varlen(
-                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                alibi_slopes=alibi_slopes, return_lse=return_attn_probs)
-    except NotImplementedError as error:   # CUDA tensors: the kernels' gaps, named
-        _unsupported(str(error).split("this call asks for ")[-1].split(". ")[0])
+    options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                   alibi_slopes=alibi_slopes, return_lse=return_attn_probs)
+    if block_table is not None:   # k and v are pools of pages: attention_with_kvcache's packed rows over them
+        lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+        result = gqa_module.attention_with_kvcache(q, k, v, cache_seqlens=lens, page_table=block_table,
+                                                   cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, **options)
+    else:
+        result = gqa_module.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **options)
     if return_attn_probs:
         out, lse = result
         return out, lse, None
@@ -101,12 +88,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False):
-    try:
-        return gqa_module.attention_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                                                 rotary_interleaved=rotary_interleaved, cache_seqlens=cache_seqlens,
-                                                 cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-                                                 page_table=block_table, causal=causal, softmax_scale=softmax_scale,
-                                                 window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                                                 return_lse=return_softmax_lse)
-    except NotImplementedError as error:   # CUDA tensors: the kernels' gaps, named
-        _unsupported(str(error).split("this call asks for ")[-1].split(". ")[0])
+    return gqa_module.attention_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                                             rotary_interleaved=rotary_interleaved, cache_seqlens=cache_seqlens,
+                                             cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                                             page_table=block_table, causal=causal, softmax_scale=softmax_scale,
+                                             window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                             return_lse=return_softmax_lse)
