@@ -679,6 +679,12 @@ def load_cpu_library():
     return _CPU_OPS
 
 
+def _load_cpu_path():
+    """The PyTorch path's input rules loaded (the CPU library), so that torch.compile, tracing a
+    call later, finds the op instead of a build."""
+    load_cpu_library()
+
+
 def _not_on_cuda(q, k, v, run=True):
     """Inputs that the CUDA library does not run (q not a CUDA tensor, or k or v not a tensor):
     checked by the library's own rules (the ones CUDA inputs meet; the CPU also takes float64),
@@ -1013,13 +1019,16 @@ class ModelNew(nn.Module):
     """Drop-in for the reference ``Model``. Holds no parameters: every size comes from q, k, v.
 
     Accepts whatever the harness passes (nothing, or the head counts and head_dim) and ignores it.
-    On a machine with a GPU it loads the library here, so torch.compile never traces the build.
+    It loads the library here (on a machine without a GPU, the CPU path's), so torch.compile
+    never traces a build.
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__()
         if torch.cuda.is_available():
             _forward_op()
+        else:
+            _load_cpu_path()
 
     def forward(self, q, k, v):
         return causal_gqa_attention(q, k, v)
@@ -1036,7 +1045,11 @@ class ModelNew(nn.Module):
 # loads the library (what a harness that precompiles by running the file wants).
 _BUNDLE_REGIONS = {
     "torch-functional": "",
-    "pytorch-path": '''def _not_on_cuda(q, k, v, run=True):
+    "pytorch-path": '''def _load_cpu_path():
+    """This single file runs CUDA tensors only: it has no CPU path to load."""
+
+
+def _not_on_cuda(q, k, v, run=True):
     """This single file runs CUDA tensors only; anything else is refused."""
     _require_tensors(q, k, v)
     raise RuntimeError(

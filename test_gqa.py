@@ -250,6 +250,31 @@ def test_model_new_accepts_harness_arguments():
         assert torch.allclose(model(q, k, v).double(), exact, atol=1e-4, rtol=1e-4)
 
 
+_COLD_COMPILE = r"""
+import torch, gqa_module
+torch.manual_seed(3)
+q, k, v = (torch.randn(2, 65, h, 32, dtype=torch.float64, requires_grad=True) for h in (6, 2, 2))
+model = gqa_module.ModelNew()
+out = torch.compile(model, fullgraph=True, backend="eager")(q, k, v)
+(grads := torch.autograd.grad(out.sum(), (q, k, v)))
+exact = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                         is_causal=True, enable_gqa=True).transpose(1, 2)
+assert torch.allclose(out, exact, atol=1e-12), (out - exact).abs().max()
+exact_grads = torch.autograd.grad(exact.sum(), (q, k, v))
+assert all(torch.allclose(g, e, atol=1e-12) for g, e in zip(grads, exact_grads))
+print("cold fullgraph ok")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests compile ModelNew on CUDA tensors")
+def test_model_new_compiles_fullgraph_in_a_fresh_process_without_a_gpu():
+    """torch.compile(fullgraph=True) of a ModelNew made in a process that has called nothing yet:
+    the CPU path's library loads when the model is made, so the trace finds the op, not a build
+    (the trace failed on the build's file reads); float64 forward and gradients against SDPA."""
+    run = subprocess.run([sys.executable, "-c", _COLD_COMPILE], cwd=HERE, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and "cold fullgraph ok" in run.stdout, run.stderr[-3000:]
+
+
 def test_reference_model_matches_float64():
     torch.manual_seed(1)
     q, k, v = reference.get_inputs()
