@@ -256,7 +256,7 @@ torch.manual_seed(3)
 q, k, v = (torch.randn(2, 65, h, 32, dtype=torch.float64, requires_grad=True) for h in (6, 2, 2))
 model = gqa_module.ModelNew()
 out = torch.compile(model, fullgraph=True, backend="eager")(q, k, v)
-(grads := torch.autograd.grad(out.sum(), (q, k, v)))
+grads = torch.autograd.grad(out.sum(), (q, k, v))
 exact = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                          is_causal=True, enable_gqa=True).transpose(1, 2)
 assert torch.allclose(out, exact, atol=1e-12), (out - exact).abs().max()
